@@ -1,0 +1,46 @@
+"""Timing helpers shared by the benchmarks: CUDA events, warm-up, median."""
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Callable, List
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
+    """Median time of fn() in ms, each run bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times: List[float] = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + bytes written per second)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), warmup=3, iters=20)
+    return 2 * nbytes / ms / 1e6
+
+
+def parser(desc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=desc)
+    p.add_argument("--summary", default=None, help="write 'name|value' summary rows to this file")
+    p.add_argument("--quick", action="store_true", help="fewer cases")
+    return p
+
+
+def write_summary(path, rows):
+    if path:
+        with open(path, "w") as f:
+            for name, value in rows:
+                f.write(f"{name}|{value}\n")

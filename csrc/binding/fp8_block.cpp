@@ -1,0 +1,134 @@
+// Binding of the FP8 block-scaling kernels.  Python (lpmoe/fp8_block_ops.py)
+// validates shapes and allocates; this layer checks what would be unsafe for
+// a kernel (devices, dtypes, contiguity, alignment) and launches.
+#include "binding/common.h"
+#include "binding/ops.h"
+#include "fp8_block/fp8_block.h"
+
+namespace lpmoe {
+namespace binding {
+namespace {
+
+DType to_dtype(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default: TORCH_CHECK(false, "lpmoe: `", name, "` must be float32, bfloat16 or float16, got ", t);
+  }
+}
+
+void* opt_ptr(const c10::optional<at::Tensor>& t, const at::Tensor& ref, const char* name) {
+  if (!t.has_value()) return nullptr;
+  check_same_device(*t, ref, name, "input");
+  check_contiguous(*t, name);
+  return t->data_ptr();
+}
+
+fp8_block::GroupRows group_rows(const c10::optional<at::Tensor>& pro, int64_t num_tensors, const at::Tensor& ref) {
+  fp8_block::GroupRows g;
+  g.num_tensors = static_cast<int>(num_tensors);
+  if (!pro.has_value()) {
+    TORCH_CHECK(num_tensors == 1, "lpmoe: padded_row_offsets is required for num_tensors > 1");
+    return g;
+  }
+  const at::Tensor& p = *pro;
+  check_same_device(p, ref, "padded_row_offsets", "input");
+  TORCH_CHECK(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(0) == 4 && p.size(1) == num_tensors + 1 &&
+                  p.stride(1) == 1,
+              "lpmoe: padded_row_offsets must be int64 (4, num_tensors+1) with unit inner stride, got ",
+              p.scalar_type(), " ", p.sizes());
+  const int64_t* base = p.data_ptr<int64_t>();
+  g.row = base;
+  g.pad4 = base + p.stride(0);
+  g.pad128 = base + 2 * p.stride(0);
+  g.pad512 = base + 3 * p.stride(0);
+  return g;
+}
+
+}  // namespace
+
+void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& padded_row_offsets,
+                        int64_t num_tensors, bool e5m2, int64_t block_dim, bool pow2_scales, double amax_epsilon,
+                        const c10::optional<at::Tensor>& out_data, const c10::optional<at::Tensor>& out_scale,
+                        const c10::optional<at::Tensor>& out_col_data,
+                        const c10::optional<at::Tensor>& out_col_scale, bool pad_columnwise_tokens,
+                        const c10::optional<at::Tensor>& noop, const c10::optional<at::Tensor>& dbias_workspace,
+                        int64_t max_row_tiles) {
+  check_cuda(input, "x");
+  check_contiguous(input, "x");
+  TORCH_CHECK(input.dim() == 2, "lpmoe: `x` must be 2-D");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(input.data_ptr()) % 16 == 0, "lpmoe: `x` must be 16-byte aligned");
+  TORCH_CHECK(out_data.has_value() == out_scale.has_value() && out_col_data.has_value() == out_col_scale.has_value(),
+              "lpmoe: data and scale outputs come in pairs");
+  if (noop.has_value()) {
+    TORCH_CHECK(noop->scalar_type() == at::kFloat && noop->numel() >= 1, "lpmoe: `noop_flag` must be a float32 tensor");
+  }
+  c10::cuda::CUDAGuard guard(input.device());
+  fp8_block::QuantizeArgs a;
+  a.input = input.data_ptr();
+  a.input_dtype = to_dtype(input.scalar_type(), "x");
+  a.rows = input.size(0);
+  a.cols = input.size(1);
+  a.group = group_rows(padded_row_offsets, num_tensors, input);
+  a.e5m2 = e5m2;
+  a.block_dim = static_cast<int>(block_dim);
+  a.pow2_scales = pow2_scales;
+  a.amax_epsilon = static_cast<float>(amax_epsilon);
+  a.out_data = opt_ptr(out_data, input, "output.rowwise_data");
+  a.out_scale = static_cast<float*>(opt_ptr(out_scale, input, "output.scale_inv"));
+  a.out_col_data = opt_ptr(out_col_data, input, "output.columnwise_data");
+  a.out_col_scale = static_cast<float*>(opt_ptr(out_col_scale, input, "output.columnwise_scale_inv"));
+  a.pad_columnwise_tokens = pad_columnwise_tokens;
+  a.noop = static_cast<const float*>(opt_ptr(noop, input, "noop_flag"));
+  a.dbias_workspace = static_cast<float*>(opt_ptr(dbias_workspace, input, "dbias workspace"));
+  a.max_row_tiles = max_row_tiles;
+  LPMOE_CHECK_LAUNCH(fp8_block::launch_quantize(a, current_stream()), "fp8_block quantize");
+}
+
+void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at::Tensor>& padded_row_offsets,
+                            int64_t num_tensors, int64_t rows, const at::Tensor& out,
+                            const c10::optional<at::Tensor>& noop) {
+  check_cuda(workspace, "workspace");
+  c10::cuda::CUDAGuard guard(workspace.device());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == num_tensors && out.is_contiguous(), "lpmoe: dbias must be (N, K)");
+  fp8_block::DbiasReduceArgs a;
+  a.workspace = workspace.data_ptr<float>();
+  a.group = group_rows(padded_row_offsets, num_tensors, workspace);
+  a.rows = rows;
+  a.cols = out.size(1);
+  a.out_dtype = to_dtype(out.scalar_type(), "dbias");
+  a.out = out.data_ptr();
+  a.noop = static_cast<const float*>(opt_ptr(noop, workspace, "noop_flag"));
+  LPMOE_CHECK_LAUNCH(fp8_block::launch_dbias_reduce(a, current_stream()), "fp8_block dbias reduce");
+}
+
+void fp8_block_dequantize(const at::Tensor& data, const at::Tensor& scale, bool columnwise,
+                          bool pad_columnwise_tokens, bool e5m2, int64_t block_dim, int64_t rows, int64_t cols,
+                          const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors,
+                          const at::Tensor& out, int64_t max_row_tiles) {
+  check_cuda(data, "data");
+  check_contiguous(data, "data");
+  check_same_device(scale, data, "scale_inv", "data");
+  check_same_device(out, data, "out", "data");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat, "lpmoe: FP8 block scale_inv must be float32");
+  TORCH_CHECK(out.is_contiguous() && out.numel() >= rows * cols, "lpmoe: dequantize output too small");
+  c10::cuda::CUDAGuard guard(data.device());
+  fp8_block::DequantizeArgs a;
+  a.data = data.data_ptr();
+  a.scale = scale.data_ptr<float>();
+  a.columnwise = columnwise;
+  a.pad_columnwise_tokens = pad_columnwise_tokens;
+  a.e5m2 = e5m2;
+  a.block_dim = static_cast<int>(block_dim);
+  a.rows = rows;
+  a.cols = cols;
+  a.group = group_rows(padded_row_offsets, num_tensors, data);
+  a.out_dtype = to_dtype(out.scalar_type(), "out dtype");
+  a.out = out.data_ptr();
+  a.max_row_tiles = max_row_tiles;
+  LPMOE_CHECK_LAUNCH(fp8_block::launch_dequantize(a, current_stream()), "fp8_block dequantize");
+}
+
+}  // namespace binding
+}  // namespace lpmoe

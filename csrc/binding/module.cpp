@@ -1,0 +1,19 @@
+// pybind11 registration of lpmoe._C.  Only this file includes the pybind11
+// headers; the per-family binding files include ATen alone, which keeps the
+// 2-core CI build short.
+#include <torch/extension.h>
+
+#include "binding/ops.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lpmoe CUDA kernels (see python/lpmoe for the documented API)";
+  m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
+        py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
+        py::arg("second"), py::arg("capacity_rows"),
+        py::arg("device_index"));
+  m.def("fp8_block_quantize", &lpmoe::binding::fp8_block_quantize);
+  m.def("fp8_block_dbias_reduce", &lpmoe::binding::fp8_block_dbias_reduce);
+  m.def("fp8_block_dequantize", &lpmoe::binding::fp8_block_dequantize);
+}

@@ -1,0 +1,37 @@
+// Declarations of every op the binding layer exposes; module.cpp registers them.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <vector>
+
+namespace lpmoe {
+namespace binding {
+
+// Returns [bulk, out_0, ..., out_{n-1}, status]; see grouped/splits_to_offsets.h.
+std::vector<at::Tensor> splits_to_offsets(const c10::optional<at::Tensor>& splits, int64_t num_splits,
+                                          int64_t uniform_split, const std::vector<int64_t>& strides,
+                                          const std::vector<int64_t>& aligns,
+                                          const std::vector<bool>& times_second,
+                                          const c10::optional<at::Tensor>& second, int64_t capacity_rows,
+                                          int64_t device_index);
+
+// FP8 block scaling (csrc/fp8_block); see lpmoe/fp8_block_ops.py.
+void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& padded_row_offsets,
+                        int64_t num_tensors, bool e5m2, int64_t block_dim, bool pow2_scales, double amax_epsilon,
+                        const c10::optional<at::Tensor>& out_data, const c10::optional<at::Tensor>& out_scale,
+                        const c10::optional<at::Tensor>& out_col_data,
+                        const c10::optional<at::Tensor>& out_col_scale, bool pad_columnwise_tokens,
+                        const c10::optional<at::Tensor>& noop, const c10::optional<at::Tensor>& dbias_workspace,
+                        int64_t max_row_tiles);
+void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at::Tensor>& padded_row_offsets,
+                            int64_t num_tensors, int64_t rows, const at::Tensor& out,
+                            const c10::optional<at::Tensor>& noop);
+void fp8_block_dequantize(const at::Tensor& data, const at::Tensor& scale, bool columnwise,
+                          bool pad_columnwise_tokens, bool e5m2, int64_t block_dim, int64_t rows, int64_t cols,
+                          const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors,
+                          const at::Tensor& out, int64_t max_row_tiles);
+
+}  // namespace binding
+}  // namespace lpmoe

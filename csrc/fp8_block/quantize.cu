@@ -1,0 +1,343 @@
+// FP8 block-scaling quantize (1x128 and 128x128), grouped or single tensor,
+// rowwise and transposed columnwise outputs in one pass over the input, with
+// optional per-tile column sums for a fused, deterministic bias gradient.
+//
+// One CTA = one 128x128 input tile.  Thread (c, g) with c = tid % 16 and
+// g = tid / 16 holds 8 consecutive rows (8g .. 8g+7) x 8 consecutive columns
+// (8c .. 8c+7) in registers:
+//  * a 1x128 row block is spread over the 16 lanes of a half-warp, so its
+//    amax is 4 shuffles;
+//  * a 128x1 column block is spread over 16 row groups: shuffle across the
+//    two half-warps, then 8 warps through shared memory;
+//  * the transposed copy goes through a 128x128-byte shared tile; each thread
+//    writes 8-byte row chunks whose position is XOR-swizzled by the column
+//    group so the 16 lanes of a half-warp hit distinct banks.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common/cuda_utils.h"
+#include "common/numerics.cuh"
+#include "fp8_block/fp8_block.h"
+#include "fp8_block/tile_map.cuh"
+
+namespace lpmoe {
+namespace fp8_block {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kVec = 8;     // elements per thread per row
+constexpr int kRowsPerThread = 8;
+
+// Raw 8-element input vector kept in registers in the INPUT dtype (16 bytes
+// for bf16/fp16): half the registers of fp32 copies, so more CTAs fit per SM.
+template <typename IType>
+struct RawVec8 {
+  uint4 w[sizeof(IType) / 2];
+};
+
+template <typename IType>
+__device__ __forceinline__ void load_vec8(const IType* p, RawVec8<IType>& v) {
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) v.w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+}
+
+template <typename IType>
+__device__ __forceinline__ float elem(const RawVec8<IType>& v, int e) {
+  return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
+}
+
+template <typename IType, bool kE5M2, int kBlockDim>
+__global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantizeArgs args) {
+  if (args.noop != nullptr && *args.noop == 1.0f) return;
+
+  // Linear grid, K-tile fastest: CTAs running together cover whole rows of
+  // one 128-row band (contiguous memory) instead of a column of tiles.
+  const int64_t K = args.cols;
+  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
+  const int64_t j = blockIdx.x / bx_count;
+  const int tile_x = static_cast<int>(blockIdx.x % bx_count);
+  TileInfo ti;
+  if (!locate_tile(args.group, args.rows, j, ti)) return;
+
+  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const bool col_ok = c * kVec < cols_valid;  // K % 16 == 0: whole vectors only
+  const float fp8_max = Fp8Traits<kE5M2>::kMax;
+  const float inf_scale = InputTraits<IType>::max_finite();
+
+  __shared__ float red[kWarps][kTile];          // cross-warp column partials
+  __shared__ float col_scale[kTile];
+  __shared__ float tile_amax_smem[kWarps];
+  __shared__ __align__(16) uint8_t tposed[kTile * kTile];
+
+  // ---- load 8 rows x 8 columns, invalid positions read as 0 --------------
+  const IType* in = static_cast<const IType*>(args.input);
+  RawVec8<IType> raw[kRowsPerThread];
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int row = g * kRowsPerThread + r;
+    if (col_ok && row < ti.rows_valid) {
+      load_vec8<IType>(in + (ti.row0 + row) * K + col0 + c * kVec, raw[r]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  auto V = [&](int r, int e) { return elem<IType>(raw[r], e); };
+
+  // ---- fused bias gradient: per-tile column sums (fixed order) -----------
+  if (args.dbias_workspace != nullptr) {
+    float s[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRowsPerThread; ++r) acc += V(r, e);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 16);
+      s[e] = acc;
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) red[warp][c * kVec + e] = s[e];
+    }
+    __syncthreads();
+    if (threadIdx.x < kTile && threadIdx.x < cols_valid) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) acc += red[w][threadIdx.x];
+      args.dbias_workspace[j * K + col0 + threadIdx.x] = acc;
+    }
+    __syncthreads();
+  }
+
+  // ---- scales -------------------------------------------------------------
+  float row_scale[kRowsPerThread];  // scale of each of this thread's rows
+  float tile_scale = 1.0f;
+  if constexpr (kBlockDim == 2) {
+    float a = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) a = amax_step(a, V(r, e));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    if (lane == 0) tile_amax_smem[warp] = a;
+    __syncthreads();
+    a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, tile_amax_smem[w]);
+    tile_scale = compute_block_scale(a, fp8_max, args.pow2_scales, args.amax_epsilon, inf_scale);
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) row_scale[r] = tile_scale;
+  } else {
+    if (args.out_data != nullptr) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        float a = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) a = amax_step(a, V(r, e));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        row_scale[r] = compute_block_scale(a, fp8_max, args.pow2_scales, args.amax_epsilon, inf_scale);
+      }
+    }
+    if (args.out_col_data != nullptr) {
+      float a[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        float m = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRowsPerThread; ++r) m = amax_step(m, V(r, e));
+        a[e] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      }
+      if (lane < 16) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) red[warp][c * kVec + e] = a[e];
+      }
+      __syncthreads();
+      if (threadIdx.x < kTile) {
+        float m = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, red[w][threadIdx.x]);
+        col_scale[threadIdx.x] = compute_block_scale(m, fp8_max, args.pow2_scales, args.amax_epsilon, inf_scale);
+      }
+      __syncthreads();
+    }
+  }
+
+  // ---- rowwise data + scales ---------------------------------------------
+  if (args.out_data != nullptr) {
+    uint8_t* out = static_cast<uint8_t*>(args.out_data);
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int row = g * kRowsPerThread + r;
+      if (col_ok && row < ti.rows_valid) {
+        const float s = row_scale[r];
+        uint2 packed;
+        uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+        for (int e = 0; e < kVec; e += 2) h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), s), __fmul_rn(V(r, e + 1), s));
+        *reinterpret_cast<uint2*>(out + (ti.row0 + row) * K + col0 + c * kVec) = packed;
+      }
+    }
+    if constexpr (kBlockDim == 1) {
+      // (bX, round_up(M_t,4)) per member; rows in [M_t, round_up(M_t,4)) are 0.
+      const int64_t ld = round_up<int64_t>(ti.m, 4);
+      float* sc = args.out_scale + bx_count * ti.pad4_start + tile_x * ld;
+      if (c == 0) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerThread; ++r) {
+          const int row = g * kRowsPerThread + r;
+          const int64_t lrow = ti.local_tile * kTile + row;
+          if (row < ti.rows_valid) sc[lrow] = __fdiv_rn(1.0f, row_scale[r]);
+          else if (lrow < ld) sc[lrow] = 0.0f;
+        }
+      }
+    } else {
+      if (threadIdx.x == 0) {
+        const int ld = round_up(bx_count, 4);
+        float* sc = args.out_scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld;
+        sc[tile_x] = __fdiv_rn(1.0f, tile_scale);
+        if (tile_x == bx_count - 1)
+          for (int x = bx_count; x < ld; ++x) sc[x] = 0.0f;
+      }
+    }
+  }
+
+  // ---- columnwise (transposed) data + scales ------------------------------
+  if (args.out_col_data != nullptr) {
+    // Stage FP8 bytes transposed: column (8c+e) becomes tile row, its 8
+    // values for rows 8g..8g+7 one 8-byte chunk.
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int col = c * kVec + e;
+      const float s = kBlockDim == 2 ? tile_scale : col_scale[col];
+      uint2 packed;
+      uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+      for (int r = 0; r < kRowsPerThread; r += 2) {
+        h[r / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), s), __fmul_rn(V(r + 1, e), s));
+      }
+      *reinterpret_cast<uint2*>(tposed + tile_chunk_offset(col, g)) = packed;
+    }
+    __syncthreads();
+
+    // Member block is (K, pitch) with pitch = round_up(M_t,128) (grouped) or
+    // M (single tensor).  Padded tokens are real zeros: rows >= rows_valid
+    // were loaded as 0.
+    const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
+    const int tokens = args.pad_columnwise_tokens ? kTile : ti.rows_valid;
+    uint8_t* out = static_cast<uint8_t*>(args.out_col_data) + K * ti.pad128_start +
+                   ti.local_tile * kTile;  // pad128_start is 0 for a single tensor
+    const bool aligned16 = (pitch % 16) == 0;
+    for (int u = threadIdx.x; u < kTile * (kTile / 16); u += kThreads) {
+      const int col = u >> 3;
+      const int q = u & 7;
+      if (col >= cols_valid) continue;
+      const int tok0 = q * 16;
+      if (tok0 >= tokens) continue;
+      uint4 val;
+      *reinterpret_cast<uint2*>(&val.x) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q));
+      *reinterpret_cast<uint2*>(&val.z) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q + 1));
+      uint8_t* dst = out + (col0 + col) * pitch + tok0;
+      if (aligned16 && tok0 + 16 <= tokens) {
+        *reinterpret_cast<uint4*>(dst) = val;
+      } else {
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(&val);
+        for (int i = 0; i < 16 && tok0 + i < tokens; ++i) dst[i] = b[i];
+      }
+    }
+
+    if constexpr (kBlockDim == 1) {
+      // (ceil(M_t/128), round_up(K,4)) per member; K % 16 == 0, so no padding.
+      const int64_t ld = round_up<int64_t>(K, 4);
+      float* sc = args.out_col_scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col0;
+      if (threadIdx.x < cols_valid) sc[threadIdx.x] = __fdiv_rn(1.0f, col_scale[threadIdx.x]);
+    } else {
+      if (threadIdx.x == 0) {
+        // (bX, round_up(ceil(M_t/128),4)) per member at bX * pad512/128.
+        const int64_t tiles_m = ceil_div<int64_t>(ti.m, kTile);
+        const int64_t ld = round_up<int64_t>(tiles_m, 4);
+        float* sc = args.out_col_scale + bx_count * (ti.pad512_start / kTile) + tile_x * ld;
+        sc[ti.local_tile] = __fdiv_rn(1.0f, tile_scale);
+        if (ti.local_tile == tiles_m - 1)
+          for (int64_t y = tiles_m; y < ld; ++y) sc[y] = 0.0f;
+      }
+    }
+  }
+}
+
+template <typename IType, bool kE5M2>
+cudaError_t launch_typed(const QuantizeArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.block_dim == 2) {
+    quantize_kernel<IType, kE5M2, 2><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    quantize_kernel<IType, kE5M2, 1><<<grid, kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+template <typename IType>
+cudaError_t launch_fp8(const QuantizeArgs& a, dim3 grid, cudaStream_t stream) {
+  return a.e5m2 ? launch_typed<IType, true>(a, grid, stream) : launch_typed<IType, false>(a, grid, stream);
+}
+
+// --- deterministic reduction of the per-tile column sums -------------------
+template <typename OType>
+__global__ void dbias_reduce_kernel(const DbiasReduceArgs args) {
+  if (args.noop != nullptr && *args.noop == 1.0f) return;
+  const int t = blockIdx.y;
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= args.cols) return;
+  int64_t first_tile = 0, tiles = 0;
+  if (args.group.row == nullptr) {
+    tiles = ceil_div<int64_t>(args.rows, kTile);
+  } else {
+    first_tile = args.group.pad128[t] / kTile;
+    tiles = (args.group.pad128[t + 1] - args.group.pad128[t]) / kTile;
+  }
+  float acc = 0.0f;
+  for (int64_t i = 0; i < tiles; ++i) acc += args.workspace[(first_tile + i) * args.cols + k];
+  static_cast<OType*>(args.out)[t * args.cols + k] = from_float<OType>(acc);
+}
+
+}  // namespace
+
+cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
+  if (a.rows < 0 || a.cols < 0 || a.cols % 16 != 0 || (a.block_dim != 1 && a.block_dim != 2))
+    return cudaErrorInvalidValue;
+  if (a.rows == 0 || a.cols == 0 || a.max_row_tiles == 0) return cudaSuccess;  // nothing to launch
+  if (a.out_data == nullptr && a.out_col_data == nullptr && a.dbias_workspace == nullptr) return cudaSuccess;
+  const int64_t bx = ceil_div<int64_t>(a.cols, kTile);
+  if (bx > 65535 || a.max_row_tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const int64_t ctas = a.max_row_tiles * bx;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(ctas));
+  switch (a.input_dtype) {
+    case DType::kFloat32: return launch_fp8<float>(a, grid, stream);
+    case DType::kBFloat16: return launch_fp8<__nv_bfloat16>(a, grid, stream);
+    case DType::kFloat16: return launch_fp8<__half>(a, grid, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t launch_dbias_reduce(const DbiasReduceArgs& a, cudaStream_t stream) {
+  if (a.cols == 0 || a.group.num_tensors == 0) return cudaSuccess;
+  const int threads = 256;
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(a.cols, threads)), static_cast<unsigned>(a.group.num_tensors));
+  switch (a.out_dtype) {
+    case DType::kFloat32: dbias_reduce_kernel<float><<<grid, threads, 0, stream>>>(a); break;
+    case DType::kBFloat16: dbias_reduce_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(a); break;
+    case DType::kFloat16: dbias_reduce_kernel<__half><<<grid, threads, 0, stream>>>(a); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace fp8_block
+}  // namespace lpmoe

@@ -1,0 +1,23 @@
+"""lpmoe: low-precision Mixture-of-Experts layers for PyTorch on Hopper.
+
+Public API:
+  GroupedTensor, ShapeKind                 grouped storage (lpmoe.grouped_tensor)
+  Float8BlockQuantizer, MXFP8Quantizer,
+  NVFP4Quantizer                           format descriptions (lpmoe.quantizers)
+  splits_to_offsets                        device prefix sums (lpmoe.grouped_offsets)
+  reference                                pure-PyTorch bit-exact formats (lpmoe.reference)
+"""
+from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer  # noqa: F401
+from lpmoe.grouped_offsets import splits_to_offsets  # noqa: F401
+from lpmoe.grouped_tensor import GroupedTensor, ShapeKind  # noqa: F401
+from lpmoe import reference  # noqa: F401
+from lpmoe._ext import has_extension  # noqa: F401
+
+__version__ = "0.1.0"
+from lpmoe.quantize import (  # noqa: F401,E402
+    dequantize,
+    group_dequantize,
+    group_quantize,
+    group_quantize_dbias,
+    quantize,
+)

@@ -1,0 +1,167 @@
+"""GPU path of FP8 block scaling: allocation, validation, kernel launches.
+
+Layouts: lpmoe.grouped_layout / csrc/fp8_block/fp8_block.h.  Nothing here
+reads device memory on the host.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from lpmoe._ext import ext
+from lpmoe.grouped_layout import capacity_sizes, cdiv
+from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
+from lpmoe.quantizers import Float8BlockQuantizer
+from lpmoe.reference.fp8_block import Fp8BlockQuantized
+
+_BUFS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv")
+
+
+def _check_k(k: int) -> None:
+    if k % 16:
+        raise ValueError(f"FP8 block scaling needs the last dim K to be a multiple of 16, got K={k}")
+
+
+def _check_noop(noop_flag: Optional[torch.Tensor], device: torch.device) -> None:
+    if noop_flag is None:
+        return
+    if not isinstance(noop_flag, torch.Tensor) or noop_flag.dtype != torch.float32 or noop_flag.numel() != 1:
+        raise TypeError("noop_flag must be a float32 tensor with one element")
+    if noop_flag.device != device:
+        raise ValueError(f"noop_flag must be on {device}, got {noop_flag.device}")
+
+
+def max_row_tiles(g: GroupedTensor) -> int:
+    """Grid bound: 128-row tiles in pad128 space over all members."""
+    rows = g.logical_shape[0]
+    n = g.num_tensors
+    if g.shape_kind is ShapeKind.SAME_SHAPE:
+        return n * cdiv(rows // n, 128)
+    return cdiv(rows, 128) + n
+
+
+def check_output(output: GroupedTensor, q: Float8BlockQuantizer, g: GroupedTensor) -> None:
+    """An ``output=`` GroupedTensor must be of this format and large enough."""
+    if not isinstance(output, GroupedTensor):
+        raise TypeError(f"output must be a GroupedTensor, got {type(output).__name__}")
+    oq = output.quantizer
+    if type(oq) is not type(q) or any(getattr(oq, f) != getattr(q, f) for f in
+                                       ("fp8_dtype", "block_dim", "pow2_scales", "amax_epsilon")):
+        raise ValueError(f"output was made for {oq!r}, not {q!r}")
+    if output.device != g.device:
+        raise ValueError(f"output is on {output.device}, input on {g.device}")
+    rows, k = g.logical_shape
+    need = capacity_sizes(q, g.num_tensors, rows, k, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
+    for name in _BUFS:
+        wanted = (q.rowwise if name in ("rowwise_data", "scale_inv") else q.columnwise) and need[name] > 0
+        buf = getattr(output, name)
+        if wanted and (buf is None or buf.numel() < need[name]):
+            have = None if buf is None else buf.numel()
+            raise ValueError(f"output.{name} holds {have} elements, needs {need[name]} for this input")
+
+
+def _alloc(q: Float8BlockQuantizer, g: GroupedTensor) -> GroupedTensor:
+    rows, k = g.logical_shape
+    sizes = capacity_sizes(q, g.num_tensors, rows, k, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
+    dev = g.device
+    mk = lambda n, dt: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
+    return GroupedTensor(
+        num_tensors=g.num_tensors, logical_shape=g.logical_shape, dtype=g.dtype, quantizer=q,
+        rowwise_data=mk(sizes["rowwise_data"], q.fp8_dtype) if q.rowwise else None,
+        scale_inv=mk(sizes["scale_inv"], torch.float32) if q.rowwise else None,
+        columnwise_data=mk(sizes["columnwise_data"], q.fp8_dtype) if q.columnwise else None,
+        columnwise_scale_inv=mk(sizes["columnwise_scale_inv"], torch.float32) if q.columnwise else None,
+        first_dims=g.first_dims, tensor_offsets=g.tensor_offsets, padded_row_offsets=g.padded_row_offsets)
+
+
+def _adopt(out: GroupedTensor, g: GroupedTensor) -> None:
+    out.first_dims, out.last_dims = g.first_dims, g.last_dims
+    out.tensor_offsets, out.padded_row_offsets = g.tensor_offsets, g.padded_row_offsets
+    out.offsets_status = g.offsets_status
+    out.logical_shape, out.num_tensors, out.dtype = g.logical_shape, g.num_tensors, g.dtype
+
+
+def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None, output=None,
+                   with_dbias: bool) -> Tuple[GroupedTensor, Optional[torch.Tensor]]:
+    rows, k = g.logical_shape
+    _check_k(k)
+    _check_noop(noop_flag, g.device)
+    x = g.rowwise_data
+    if x.data_ptr() % 16:
+        raise ValueError("x must be 16-byte aligned")
+    if output is not None:
+        check_output(output, q, g)
+        out = output
+        _adopt(out, g)
+    else:
+        out = _alloc(q, g)
+    tiles = max_row_tiles(g)
+    ws = dbias = None
+    if with_dbias:
+        ws = torch.empty((max(tiles, 1), k), dtype=torch.float32, device=g.device)
+        dbias = torch.empty((g.num_tensors, k), dtype=g.dtype, device=g.device)
+    ext().fp8_block_quantize(
+        x.view(rows, k), g.padded_row_offsets, g.num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim,
+        q.pow2_scales, q.amax_epsilon,
+        out.rowwise_data if q.rowwise else None, out.scale_inv if q.rowwise else None,
+        out.columnwise_data if q.columnwise else None, out.columnwise_scale_inv if q.columnwise else None,
+        True, noop_flag, ws, tiles)
+    if with_dbias:
+        if rows == 0 or k == 0:
+            dbias.zero_()
+        else:
+            ext().fp8_block_dbias_reduce(ws, g.padded_row_offsets, g.num_tensors, rows, dbias, noop_flag)
+    return out, dbias
+
+
+def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype) -> GroupedTensor:
+    q = grouped.quantizer
+    rows, k = grouped.logical_shape
+    _check_k(k)
+    columnwise = grouped.rowwise_data is None
+    data = grouped.columnwise_data if columnwise else grouped.rowwise_data
+    scale = grouped.columnwise_scale_inv if columnwise else grouped.scale_inv
+    if data is None or scale is None:
+        raise ValueError("grouped holds no FP8 data to dequantize")
+    out = torch.empty(rows * k, dtype=dtype, device=grouped.device)
+    ext().fp8_block_dequantize(data, scale, columnwise, True, q.fp8_dtype == torch.float8_e5m2, q.block_dim,
+                               rows, k, grouped.padded_row_offsets, grouped.num_tensors, out,
+                               max_row_tiles(grouped))
+    return GroupedTensor(num_tensors=grouped.num_tensors, logical_shape=grouped.logical_shape, dtype=dtype,
+                         rowwise_data=out, first_dims=grouped.first_dims, tensor_offsets=grouped.tensor_offsets,
+                         padded_row_offsets=grouped.padded_row_offsets)
+
+
+def quantize_single(x: torch.Tensor, q: Float8BlockQuantizer) -> Fp8BlockQuantized:
+    m, k = x.shape
+    _check_k(k)
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    dev = x.device
+    data = torch.empty((m, k), dtype=q.fp8_dtype, device=dev) if q.rowwise else None
+    scale = torch.empty(q.get_scale_shape((m, k)), dtype=torch.float32, device=dev) if q.rowwise else None
+    cdata = torch.empty((k, m), dtype=q.fp8_dtype, device=dev) if q.columnwise else None
+    cscale = torch.empty(q.get_scale_shape((m, k), columnwise=True), dtype=torch.float32, device=dev) \
+        if q.columnwise else None
+    if m and k:
+        ext().fp8_block_quantize(x, None, 1, q.fp8_dtype == torch.float8_e5m2, q.block_dim, q.pow2_scales,
+                                 q.amax_epsilon, data, scale, cdata, cscale, False, None, None, cdiv(m, 128))
+    elif scale is not None:
+        scale.zero_()  # only padding entries exist (e.g. M=0 < round_up(M,4) is 0; K=0 has none)
+    return Fp8BlockQuantized(data=data, scale_inv=scale, columnwise_data=cdata, columnwise_scale_inv=cscale,
+                             fp8_dtype=q.fp8_dtype, block_dim=q.block_dim)
+
+
+def dequantize_single(t: Fp8BlockQuantized, dtype: torch.dtype) -> torch.Tensor:
+    columnwise = t.data is None
+    data = t.columnwise_data if columnwise else t.data
+    scale = t.columnwise_scale_inv if columnwise else t.scale_inv
+    m, k = (data.shape[1], data.shape[0]) if columnwise else tuple(data.shape)
+    _check_k(k)
+    out = torch.empty((m, k), dtype=dtype, device=data.device)
+    if m and k:
+        ext().fp8_block_dequantize(data.contiguous(), scale.contiguous(), columnwise, False,
+                                   t.fp8_dtype == torch.float8_e5m2, t.block_dim, m, k, None, 1, out, cdiv(m, 128))
+    return out

@@ -1,0 +1,137 @@
+"""Split sizes -> CSR offsets, computed where the splits live.
+
+For CUDA splits this is one kernel launch (``lpmoe._C.splits_to_offsets``)
+that writes every requested offset array into one bulk buffer, each array
+16-byte aligned; nothing is read back to the host, so it is safe inside CUDA
+graph capture and under ``torch.cuda.set_sync_debug_mode("error")``.  CPU
+splits use plain PyTorch with the same results.
+
+Each output j is ``out_j[0] = 0``, ``out_j[t+1] = out_j[t] + round_up(s_t,
+align_j) * stride_j`` (times ``second[t]`` when ``times_second[j]``), i.e.
+N+1 int64 entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from lpmoe._ext import ext
+
+__all__ = ["OffsetsResult", "splits_to_offsets", "STATUS_NEGATIVE_SPLIT", "STATUS_ABOVE_CAPACITY"]
+
+STATUS_NEGATIVE_SPLIT = 1
+STATUS_ABOVE_CAPACITY = 2
+
+
+@dataclass
+class OffsetsResult:
+    offsets: List[torch.Tensor]   # each (N+1,) int64
+    status: torch.Tensor          # (1,) int64, STATUS_* bits; 0 = consistent
+
+    def check(self) -> None:
+        """Raise if the splits were inconsistent.  Reads the status: host sync."""
+        s = int(self.status.item())
+        if s & STATUS_NEGATIVE_SPLIT:
+            raise ValueError("split sizes contain a negative value")
+        if s & STATUS_ABOVE_CAPACITY:
+            raise ValueError("sum of split sizes exceeds the buffer's rows (capacity)")
+
+
+def _check_split_tensor(t: torch.Tensor, name: str, n: Optional[int]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if n is not None and t.numel() != n:
+        raise ValueError(f"{name} must have {n} entries (one per member), got {t.numel()}")
+
+
+def splits_to_offsets(
+    splits: Optional[torch.Tensor],
+    strides: Sequence[int] = (1,),
+    aligns: Optional[Sequence[int]] = None,
+    *,
+    num_splits: Optional[int] = None,
+    uniform_split: Optional[int] = None,
+    second: Optional[torch.Tensor] = None,
+    times_second: Optional[Sequence[bool]] = None,
+    capacity_rows: Optional[int] = None,
+    device=None,
+) -> OffsetsResult:
+    """Compute several offset arrays from split sizes in one pass.
+
+    Args:
+        splits: (N,) int32/int64 split sizes, or None with ``uniform_split``
+            and ``num_splits`` (every member the same size).
+        strides: multiplier per output (e.g. 1 for rows, K for elements).
+        aligns: round each split up to this multiple first (default 1).
+        second: optional (N,) second size multiplied in by outputs whose
+            ``times_second`` flag is set (element offsets of M_i x K_i members).
+        capacity_rows: when given, the status flags a sum of splits above it
+            and members are truncated there, so offsets never exceed buffers
+            sized for that many rows.
+        device: device for the uniform case (default: CUDA current device).
+    """
+    strides = [int(s) for s in strides]
+    aligns = [1] * len(strides) if aligns is None else [int(a) for a in aligns]
+    times_second = [False] * len(strides) if times_second is None else [bool(b) for b in times_second]
+    if not (len(strides) == len(aligns) == len(times_second)):
+        raise ValueError("strides, aligns and times_second must have the same length")
+    if any(a < 1 for a in aligns):
+        raise ValueError(f"aligns must be >= 1, got {aligns}")
+    if any(times_second) and second is None:
+        raise ValueError("times_second is set for an output but `second` is None")
+
+    if splits is None:
+        if uniform_split is None or num_splits is None:
+            raise ValueError("without `splits`, give both `uniform_split` and `num_splits`")
+        if uniform_split < 0 or num_splits < 0:
+            raise ValueError("uniform_split and num_splits must be >= 0")
+        n = int(num_splits)
+        dev = torch.device(device) if device is not None else (
+            second.device if second is not None else torch.device("cuda", torch.cuda.current_device()))
+    else:
+        _check_split_tensor(splits, "splits", num_splits)
+        n = splits.numel()
+        dev = splits.device
+    if second is not None:
+        _check_split_tensor(second, "second", n)
+        if second.device != dev:
+            raise ValueError(f"second is on {second.device} but splits are on {dev}")
+
+    if dev.type == "cuda":
+        res = ext().splits_to_offsets(
+            None if splits is None else splits.contiguous(), n, int(uniform_split or 0), strides, aligns,
+            times_second, None if second is None else second.contiguous(),
+            -1 if capacity_rows is None else int(capacity_rows), dev.index if dev.index is not None else torch.cuda.current_device())
+        return OffsetsResult(offsets=list(res[1:-1]), status=res[-1])
+
+    # CPU path: same arithmetic with torch ops.
+    if splits is None:
+        s = torch.full((n,), int(uniform_split), dtype=torch.int64, device=dev)
+    else:
+        s = splits.to(torch.int64)
+    status = 0
+    if bool((s < 0).any()) or (second is not None and bool((second < 0).any())):
+        status |= STATUS_NEGATIVE_SPLIT
+    s = s.clamp_min(0)
+    sec = None if second is None else second.to(torch.int64).clamp_min(0)
+    if capacity_rows is not None:
+        if int(s.sum()) > capacity_rows:
+            status |= STATUS_ABOVE_CAPACITY
+        # Truncate members at the capacity, like the device kernel.
+        end = torch.cumsum(s, 0).clamp_max(capacity_rows)
+        s = end - torch.cat([end.new_zeros(1), end[:-1]])
+    outs = []
+    for stride, align, ts in zip(strides, aligns, times_second):
+        v = (s + (align - 1)) // align * align * stride
+        if ts:
+            v = v * sec
+        o = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(v, 0, out=o[1:])
+        outs.append(o)
+    return OffsetsResult(offsets=outs, status=torch.tensor([status], dtype=torch.int64, device=dev))

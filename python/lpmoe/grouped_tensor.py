@@ -1,0 +1,427 @@
+"""GroupedTensor: N tensors in flat buffers, metadata on the device.
+
+Members are 2-D (M_t, K_t).  Four shape kinds:
+
+* SAME_SHAPE     every member (M, K); logical shape (N*M, K)
+* VARYING_FIRST  members (M_t, K);   logical shape (rows, K), rows >= sum M_t
+                 (rows past the sum are a capacity tail, ignored by kernels)
+* VARYING_LAST   members (M, K_t);   logical shape (M, sum K_t)
+* VARYING_BOTH   members (M_t, K_t); logical shape (1, sum M_t*K_t)
+
+``first_dims`` / ``last_dims`` (int64, on the data's device) exist only for
+the dims that vary; ``tensor_offsets`` holds N+1 int64 element offsets (CSR).
+For VARYING_FIRST / SAME_SHAPE tensors, ``padded_row_offsets`` (4, N+1) holds
+the row prefix sums rounded per member to 1, 4, 128 and 512 rows, from which
+every quantized buffer's member base offset follows (lpmoe.grouped_layout).
+All offsets are computed on the device in one launch: nothing here syncs,
+except the methods documented as host-syncing (``split``, ``members``,
+``member_shapes``, ``check_device_metadata``).
+"""
+from __future__ import annotations
+
+import enum
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, capacity_sizes, member_sizes
+from lpmoe.grouped_offsets import splits_to_offsets
+from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
+
+__all__ = ["GroupedTensor", "ShapeKind"]
+
+_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ShapeKind(enum.Enum):
+    SAME_SHAPE = "same_shape"
+    VARYING_FIRST = "varying_first"
+    VARYING_LAST = "varying_last"
+    VARYING_BOTH = "varying_both"
+
+
+def _as_dims(dims, name: str, n: int, device: torch.device) -> torch.Tensor:
+    """Validate a per-member dims tensor; convert to int64 (device op, no sync)."""
+    if not isinstance(dims, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32/int64, got {type(dims).__name__}")
+    if dims.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {dims.dtype}")
+    if dims.dim() != 1 or dims.numel() != n:
+        raise ValueError(f"{name} must be 1-D with num_tensors={n} entries, got shape {tuple(dims.shape)}")
+    if dims.device != device:
+        raise ValueError(f"{name} must be on {device} (the data's device), got {dims.device}")
+    if dims.device.type == "cpu" and bool((dims < 0).any()):
+        raise ValueError(f"{name} must be non-negative, got {dims.tolist()}")
+    return dims.to(torch.int64).contiguous()
+
+
+class GroupedTensor:
+    """N tensors in one set of flat buffers (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        num_tensors: int,
+        logical_shape: Sequence[int],
+        dtype: torch.dtype,
+        quantizer: Optional[Quantizer] = None,
+        rowwise_data: Optional[torch.Tensor] = None,
+        columnwise_data: Optional[torch.Tensor] = None,
+        scale_inv: Optional[torch.Tensor] = None,
+        columnwise_scale_inv: Optional[torch.Tensor] = None,
+        amax: Optional[torch.Tensor] = None,
+        columnwise_amax: Optional[torch.Tensor] = None,
+        first_dims: Optional[torch.Tensor] = None,
+        last_dims: Optional[torch.Tensor] = None,
+        tensor_offsets: Optional[torch.Tensor] = None,
+        padded_row_offsets: Optional[torch.Tensor] = None,
+        with_gemm_swizzled_scales: bool = False,
+    ):
+        if not isinstance(num_tensors, int) or num_tensors < 1:
+            raise ValueError(f"num_tensors must be a positive int, got {num_tensors!r}")
+        logical_shape = tuple(int(d) for d in logical_shape)
+        if len(logical_shape) != 2 or min(logical_shape) < 0:
+            raise ValueError(f"logical_shape must be 2-D and non-negative, got {logical_shape}")
+        if dtype not in _HP_DTYPES:
+            raise TypeError(f"dtype (the high-precision dtype) must be one of {_HP_DTYPES}, got {dtype}")
+        if quantizer is not None and not isinstance(quantizer, Quantizer):
+            raise TypeError(f"quantizer must be an lpmoe Quantizer or None, got {type(quantizer).__name__}")
+        buffers = [rowwise_data, columnwise_data]
+        if all(b is None for b in buffers):
+            raise ValueError("a GroupedTensor needs rowwise_data or columnwise_data")
+        device = next(b for b in buffers if b is not None).device
+        for name, b in (("rowwise_data", rowwise_data), ("columnwise_data", columnwise_data),
+                        ("scale_inv", scale_inv), ("columnwise_scale_inv", columnwise_scale_inv),
+                        ("amax", amax), ("columnwise_amax", columnwise_amax)):
+            if b is not None and b.device != device:
+                raise ValueError(f"{name} is on {b.device}, expected {device} like the data")
+        n = num_tensors
+        self.num_tensors = n
+        self.logical_shape = logical_shape
+        self.dtype = dtype
+        self.quantizer = quantizer
+        self.rowwise_data = rowwise_data
+        self.columnwise_data = columnwise_data
+        self.scale_inv = scale_inv
+        self.columnwise_scale_inv = columnwise_scale_inv
+        self.amax = amax
+        self.columnwise_amax = columnwise_amax
+        self.first_dims = None if first_dims is None else _as_dims(first_dims, "first_dims", n, device)
+        self.last_dims = None if last_dims is None else _as_dims(last_dims, "last_dims", n, device)
+        self.with_gemm_swizzled_scales = bool(with_gemm_swizzled_scales)
+
+        rows, cols = logical_shape
+        kind = self.shape_kind
+        if kind is ShapeKind.SAME_SHAPE and rows % n:
+            raise ValueError(f"same-shape group: logical rows {rows} not divisible by num_tensors {n}")
+        if kind is ShapeKind.VARYING_BOTH and rows != 1:
+            raise ValueError(f"varying-both groups have logical shape (1, total elements), got {logical_shape}")
+        if device.type == "cpu":  # host-visible: check sums now (no sync involved)
+            self._check_host_sums()
+
+        if tensor_offsets is not None:
+            if tensor_offsets.dtype != torch.int64 or tensor_offsets.dim() != 1:
+                raise TypeError(f"tensor_offsets must be 1-D int64, got {tensor_offsets.dtype} "
+                                f"shape {tuple(tensor_offsets.shape)}")
+            if tensor_offsets.numel() != n + 1:
+                raise ValueError(f"tensor_offsets must have num_tensors+1 = {n + 1} entries (CSR), "
+                                 f"got {tensor_offsets.numel()}")
+            if tensor_offsets.device != device:
+                raise ValueError(f"tensor_offsets must be on {device}, got {tensor_offsets.device}")
+        if padded_row_offsets is not None and tuple(padded_row_offsets.shape) != (len(PADDED_ROW_ALIGNS), n + 1):
+            raise ValueError(f"padded_row_offsets must have shape {(len(PADDED_ROW_ALIGNS), n + 1)}, "
+                             f"got {tuple(padded_row_offsets.shape)}")
+        self.tensor_offsets = tensor_offsets
+        self.padded_row_offsets = padded_row_offsets
+        self.offsets_status: Optional[torch.Tensor] = None
+        needs_rows = kind in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST) and padded_row_offsets is None
+        if self.tensor_offsets is None or needs_rows:
+            # Caller-provided tensor_offsets are kept as given; the padded row
+            # prefix sums still come from the dims (same single launch).
+            given = self.tensor_offsets
+            self._compute_offsets()
+            if given is not None:
+                self.tensor_offsets = given
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def shape_kind(self) -> ShapeKind:
+        if self.first_dims is None and self.last_dims is None:
+            return ShapeKind.SAME_SHAPE
+        if self.last_dims is None:
+            return ShapeKind.VARYING_FIRST
+        if self.first_dims is None:
+            return ShapeKind.VARYING_LAST
+        return ShapeKind.VARYING_BOTH
+
+    @property
+    def device(self) -> torch.device:
+        return (self.rowwise_data if self.rowwise_data is not None else self.columnwise_data).device
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quantizer is not None
+
+    @property
+    def common_first_dim(self) -> Optional[int]:
+        kind = self.shape_kind
+        if kind is ShapeKind.SAME_SHAPE:
+            return self.logical_shape[0] // self.num_tensors
+        if kind is ShapeKind.VARYING_LAST:
+            return self.logical_shape[0]
+        return None
+
+    @property
+    def common_last_dim(self) -> Optional[int]:
+        kind = self.shape_kind
+        if kind in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST):
+            return self.logical_shape[1]
+        return None
+
+    def _check_host_sums(self) -> None:
+        rows, cols = self.logical_shape
+        kind = self.shape_kind
+        if kind is ShapeKind.VARYING_FIRST and int(self.first_dims.sum()) > rows:
+            raise ValueError(f"sum of first_dims ({int(self.first_dims.sum())}) exceeds the buffer's rows ({rows})")
+        if kind is ShapeKind.VARYING_LAST and int(self.last_dims.sum()) > cols:
+            raise ValueError(f"sum of last_dims ({int(self.last_dims.sum())}) exceeds the logical columns ({cols})")
+        if kind is ShapeKind.VARYING_BOTH and int((self.first_dims * self.last_dims).sum()) > cols:
+            raise ValueError("sum of first_dims*last_dims exceeds the buffer's elements")
+
+    # ---------------------------------------------------------------- offsets
+    def _compute_offsets(self) -> None:
+        """Fill tensor_offsets (+ padded_row_offsets) in one device launch."""
+        n = self.num_tensors
+        rows, cols = self.logical_shape
+        kind = self.shape_kind
+        dev = self.device
+        if kind in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST):
+            strides = [cols] + [1] * len(PADDED_ROW_ALIGNS)
+            aligns = [1] + list(PADDED_ROW_ALIGNS)
+            if kind is ShapeKind.SAME_SHAPE:
+                res = splits_to_offsets(None, strides, aligns, num_splits=n, uniform_split=rows // n, device=dev)
+            else:
+                res = splits_to_offsets(self.first_dims, strides, aligns, capacity_rows=rows)
+            self.tensor_offsets = res.offsets[0]
+            self.padded_row_offsets = torch.stack(res.offsets[1:]) if dev.type == "cpu" else \
+                self._stack_views(res.offsets[1:])
+        elif kind is ShapeKind.VARYING_LAST:
+            res = splits_to_offsets(self.last_dims, [rows], [1])
+            self.tensor_offsets = res.offsets[0]
+        else:
+            res = splits_to_offsets(self.first_dims, [1], [1], second=self.last_dims, times_second=[True])
+            self.tensor_offsets = res.offsets[0]
+        self.offsets_status = res.status
+
+    @staticmethod
+    def _stack_views(views: List[torch.Tensor]) -> torch.Tensor:
+        # The kernel wrote the arrays at a fixed pitch inside one allocation:
+        # expose them as one strided (rows, N+1) view instead of copying.
+        first = views[0]
+        pitch = views[1].data_ptr() - first.data_ptr() if len(views) > 1 else first.numel()
+        pitch //= first.element_size()
+        return first.as_strided((len(views), first.numel()), (pitch, 1))
+
+    def check_device_metadata(self) -> None:
+        """Raise if the device-side dims were inconsistent (negative, or sum
+        above the buffer's capacity).  Reads a device flag: **host sync**.
+        Graph-safe paths never call this; kernels clamp to the buffer so bad
+        dims cannot write out of bounds."""
+        if self.offsets_status is not None:
+            s = int(self.offsets_status.item())
+            if s & 1:
+                raise ValueError("first_dims/last_dims contain a negative value")
+            if s & 2:
+                raise ValueError("sum of first_dims exceeds the buffer's rows")
+
+    # ---------------------------------------------------------- constructors
+    @classmethod
+    def from_dense(cls, x: torch.Tensor, num_tensors: Optional[int] = None,
+                   first_dims: Optional[torch.Tensor] = None) -> "GroupedTensor":
+        """Wrap a dense 2-D tensor without copying.
+
+        With ``first_dims`` (int tensor on x's device; a CUDA tensor is never
+        read on the host) members are consecutive row blocks; rows past
+        sum(first_dims) are a capacity tail.  Without it, x splits into
+        ``num_tensors`` equal row blocks."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2:
+            raise ValueError(f"x must be 2-D (rows, K), got shape {tuple(x.shape)}")
+        if x.dtype not in _HP_DTYPES:
+            raise TypeError(f"x must be fp32/bf16/fp16, got {x.dtype}")
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous (it is wrapped without copying)")
+        if first_dims is not None:
+            n = first_dims.numel() if num_tensors is None else num_tensors
+        elif num_tensors is None:
+            raise ValueError("give num_tensors or first_dims")
+        else:
+            n = num_tensors
+        return cls(num_tensors=int(n), logical_shape=tuple(x.shape), dtype=x.dtype, rowwise_data=x.view(-1),
+                   first_dims=first_dims)
+
+    @classmethod
+    def from_flat(cls, data: torch.Tensor, num_tensors: int, *, first_dims: Optional[torch.Tensor] = None,
+                  last_dims: Optional[torch.Tensor] = None, first_dim: Optional[int] = None) -> "GroupedTensor":
+        """Wrap a flat 1-D buffer of members with varying last dims (common
+        ``first_dim``) or varying both dims, without copying."""
+        if data.dim() != 1:
+            raise ValueError(f"data must be 1-D (flat), got shape {tuple(data.shape)}")
+        if last_dims is None:
+            raise ValueError("from_flat is for varying last dims: give last_dims (use from_dense otherwise)")
+        if first_dims is None:
+            if first_dim is None or first_dim < 0:
+                raise ValueError("varying-last groups need the common first_dim")
+            if data.numel() % max(first_dim, 1):
+                raise ValueError(f"flat buffer of {data.numel()} elements is not a multiple of first_dim {first_dim}")
+            shape = (first_dim, data.numel() // max(first_dim, 1))
+        else:
+            shape = (1, data.numel())
+        return cls(num_tensors=num_tensors, logical_shape=shape, dtype=data.dtype, rowwise_data=data,
+                   first_dims=first_dims, last_dims=last_dims)
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor]) -> "GroupedTensor":
+        """Copy a list of 2-D tensors (same dtype and device) into one buffer.
+        The shape kind follows from which dims differ."""
+        if len(tensors) == 0:
+            raise ValueError("tensors must be a non-empty list")
+        t0 = tensors[0]
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"tensors[{i}] must be a 2-D tensor")
+            if t.dtype != t0.dtype or t.device != t0.device:
+                raise ValueError(f"tensors[{i}] has dtype/device {t.dtype}/{t.device}, expected {t0.dtype}/{t0.device}")
+        ms = [t.shape[0] for t in tensors]
+        ks = [t.shape[1] for t in tensors]
+        same_m, same_k = len(set(ms)) == 1, len(set(ks)) == 1
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if sum(t.numel() for t in tensors) else \
+            torch.empty(0, dtype=t0.dtype, device=t0.device)
+        n = len(tensors)
+        dims = lambda v: torch.tensor(v, dtype=torch.int64).to(t0.device)  # noqa: E731
+        if same_k:
+            fd = None if same_m else dims(ms)
+            return cls(num_tensors=n, logical_shape=(sum(ms), ks[0]), dtype=t0.dtype, rowwise_data=flat,
+                       first_dims=fd)
+        if same_m:
+            return cls._varying_last_from_list(tensors)
+        return cls(num_tensors=n, logical_shape=(1, flat.numel()), dtype=t0.dtype, rowwise_data=flat,
+                   first_dims=dims(ms), last_dims=dims(ks))
+
+    @classmethod
+    def _varying_last_from_list(cls, tensors):
+        # Members stay contiguous one after another (member t at offsets[t]),
+        # not interleaved as columns of one (M, sum K) matrix.
+        t0 = tensors[0]
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        last = torch.tensor([t.shape[1] for t in tensors], dtype=torch.int64).to(t0.device)
+        return cls.from_flat(flat, len(tensors), last_dims=last, first_dim=t0.shape[0])
+
+    @classmethod
+    def empty(cls, quantizer: Optional[Quantizer], num_tensors: int, logical_shape: Sequence[int], *,
+              dtype: torch.dtype = torch.bfloat16, first_dims: Optional[torch.Tensor] = None,
+              device=None) -> "GroupedTensor":
+        """Allocate buffers for ``quantizer`` (None = high precision) able to
+        hold any split of ``logical_shape[0]`` rows among the members (same
+        shape when ``first_dims`` is None).  Contents are uninitialised."""
+        rows, k = (int(d) for d in logical_shape)
+        if device is None:
+            device = first_dims.device if first_dims is not None else torch.device("cuda")
+        device = torch.device(device)
+        sizes = capacity_sizes(quantizer, num_tensors, rows, k, uniform=first_dims is None)
+        buf_dtype = _buffer_dtypes(quantizer, dtype)
+        bufs = {name: (torch.empty(size, dtype=buf_dtype[name], device=device) if size or name in
+                       ("rowwise_data",) and quantizer is None else None)
+                for name, size in sizes.items()}
+        if quantizer is not None:
+            if not quantizer.rowwise:
+                bufs["rowwise_data"] = bufs["scale_inv"] = None
+            if not quantizer.columnwise:
+                bufs["columnwise_data"] = bufs["columnwise_scale_inv"] = None
+            if quantizer.rowwise and bufs["rowwise_data"] is None:
+                bufs["rowwise_data"] = torch.empty(0, dtype=buf_dtype["rowwise_data"], device=device)
+            if quantizer.columnwise and bufs["columnwise_data"] is None:
+                bufs["columnwise_data"] = torch.empty(0, dtype=buf_dtype["columnwise_data"], device=device)
+        swz = bool(getattr(quantizer, "swizzled_scales", False))
+        return cls(num_tensors=num_tensors, logical_shape=(rows, k), dtype=dtype, quantizer=quantizer,
+                   first_dims=first_dims, with_gemm_swizzled_scales=swz, **bufs)
+
+    # ------------------------------------------------------------ host views
+    def member_shapes(self) -> List[Tuple[int, int]]:
+        """Per-member (M_t, K_t).  Reads device dims: **host sync**."""
+        n = self.num_tensors
+        m = [self.common_first_dim] * n if self.first_dims is None else self.first_dims.tolist()
+        k = [self.common_last_dim] * n if self.last_dims is None else self.last_dims.tolist()
+        if self.shape_kind is ShapeKind.VARYING_LAST:
+            m = [self.logical_shape[0]] * n
+        return list(zip(m, k))
+
+    def split(self) -> list:
+        """Per-member views (no copies).  **Host sync** (reads dims).
+
+        High precision: a list of (M_t, K_t) tensors.  Quantized: a list of
+        dicts with the member's buffers as single-tensor views, shaped as the
+        quantizer's single-tensor layout (FP8-block columnwise data keeps its
+        128-token padding: shape (K, round_up(M_t, 128)))."""
+        out = []
+        base = {}
+        for m, k in self.member_shapes():
+            if self.quantizer is None:
+                off = base.get("rowwise_data", 0)
+                out.append(self.rowwise_data[off:off + m * k].view(m, k))
+                base["rowwise_data"] = off + m * k
+                continue
+            out.append(self._member_views(m, k, base))
+        return out
+
+    members = split
+
+    def _member_views(self, m: int, k: int, base: dict) -> dict:
+        q = self.quantizer
+        sizes = member_sizes(q, m, k)
+        view = {"shape": (m, k)}
+        for name, size in sizes.items():
+            buf = getattr(self, name)
+            off = base.get(name, 0)
+            if buf is None or size == 0:
+                view[name] = None
+                continue
+            flat = buf[off:off + size]
+            view[name] = flat.view(_member_view_shape(q, name, m, k, self.with_gemm_swizzled_scales))
+            base[name] = off + size
+        return view
+
+    def __repr__(self):
+        return (f"GroupedTensor(num_tensors={self.num_tensors}, kind={self.shape_kind.value}, "
+                f"logical_shape={self.logical_shape}, dtype={self.dtype}, quantizer={self.quantizer!r}, "
+                f"device={self.device})")
+
+
+def _buffer_dtypes(quantizer: Optional[Quantizer], dtype: torch.dtype) -> dict:
+    if quantizer is None:
+        return {b: dtype for b in ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv",
+                                   "amax", "columnwise_amax")}
+    if isinstance(quantizer, Float8BlockQuantizer):
+        d, s = quantizer.fp8_dtype, torch.float32
+    elif isinstance(quantizer, MXFP8Quantizer):
+        d, s = quantizer.fp8_dtype, torch.uint8
+    elif isinstance(quantizer, NVFP4Quantizer):
+        d, s = torch.uint8, torch.float8_e4m3fn
+    else:
+        raise TypeError(f"unsupported quantizer {type(quantizer).__name__}")
+    return {"rowwise_data": d, "columnwise_data": d, "scale_inv": s, "columnwise_scale_inv": s,
+            "amax": torch.float32, "columnwise_amax": torch.float32}
+
+
+def _member_view_shape(q: Quantizer, name: str, m: int, k: int, swizzled: bool):
+    if name in ("amax", "columnwise_amax"):
+        return (1,)
+    colwise = name.startswith("columnwise")
+    if name.endswith("data"):
+        if isinstance(q, Float8BlockQuantizer) and colwise:
+            return (k, -(-m // 128) * 128)
+        return q.get_data_shape((m, k), columnwise=colwise)
+    if swizzled:
+        return (-1,)
+    return q.get_scale_shape((m, k), columnwise=colwise)

@@ -1,0 +1,211 @@
+"""Public quantize / dequantize entry points (single tensor and grouped).
+
+CUDA tensors run lpmoe's kernels; CPU tensors run lpmoe.reference with the
+same API and bit-identical results.  Grouped CUDA paths never read
+``first_dims`` on the host: no sync, capturable in CUDA graphs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from lpmoe import fp8_block_ops
+from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
+from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
+from lpmoe.reference import grouped as ref_grouped
+
+__all__ = ["quantize", "dequantize", "group_quantize", "group_quantize_dbias", "group_dequantize"]
+
+_HP = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_quantizer(quantizer) -> None:
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError(f"quantizer must be an lpmoe quantizer, got {type(quantizer).__name__}")
+
+
+def _check_input(x: torch.Tensor, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (rows, K), got shape {tuple(x.shape)}")
+    if x.dtype not in _HP:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _check_format_shape(quantizer, k: int) -> None:
+    """Shape rules of each format, checked identically for CPU and GPU."""
+    if isinstance(quantizer, Float8BlockQuantizer) and k % 16:
+        raise ValueError(f"FP8 block scaling needs the last dim K to be a multiple of 16, got K={k}")
+    if isinstance(quantizer, NVFP4Quantizer) and k % 16:
+        raise ValueError(f"NVFP4 needs the last dim K to be a multiple of 16, got K={k}")
+
+
+def _gpu_unsupported(quantizer) -> NotImplementedError:
+    return NotImplementedError(
+        f"{type(quantizer).__name__}: GPU kernels are not implemented yet; use CPU tensors "
+        f"(lpmoe.reference) for this format")
+
+
+def quantize(x: torch.Tensor, quantizer: Quantizer):
+    """Quantize one 2-D tensor.  Returns the format's single-tensor container
+    (``lpmoe.reference.Fp8BlockQuantized`` / ``MXFP8Quantized`` / ``NVFP4Quantized``)."""
+    _check_quantizer(quantizer)
+    _check_input(x)
+    _check_format_shape(quantizer, x.shape[1])
+    if x.device.type == "cpu":
+        return ref_grouped.quantize_member(x, quantizer)
+    if isinstance(quantizer, Float8BlockQuantizer):
+        return fp8_block_ops.quantize_single(x, quantizer)
+    raise _gpu_unsupported(quantizer)
+
+
+def dequantize(t, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize a single-tensor container returned by :func:`quantize`."""
+    from lpmoe.reference import Fp8BlockQuantized, MXFP8Quantized, NVFP4Quantized, dequantize_fp8_block
+    from lpmoe.reference import dequantize_mxfp8, dequantize_nvfp4
+    if dtype not in _HP:
+        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    if isinstance(t, Fp8BlockQuantized):
+        src = t.data if t.data is not None else t.columnwise_data
+        if src is None:
+            raise ValueError("quantized tensor holds neither rowwise nor columnwise data")
+        if src.device.type == "cpu":
+            return dequantize_fp8_block(t, dtype)
+        return fp8_block_ops.dequantize_single(t, dtype)
+    if isinstance(t, (MXFP8Quantized, NVFP4Quantized)):
+        src = t.data if t.data is not None else t.columnwise_data
+        if src.device.type == "cpu":
+            return dequantize_mxfp8(t, dtype) if isinstance(t, MXFP8Quantized) else dequantize_nvfp4(t, dtype)
+        raise NotImplementedError(f"{type(t).__name__}: GPU dequantize is not implemented yet")
+    raise TypeError(f"t must be a quantized tensor returned by lpmoe.quantize, got {type(t).__name__}")
+
+
+def _as_grouped_input(x, num_tensors, first_dims, tensor_offsets) -> GroupedTensor:
+    if isinstance(x, GroupedTensor):
+        if x.is_quantized:
+            raise TypeError("x is already quantized; pass the high-precision tensor")
+        if x.shape_kind not in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST):
+            raise NotImplementedError(f"group_quantize supports same-shape and varying-first groups for this "
+                                      f"format, got {x.shape_kind.value}")
+        if num_tensors is not None and num_tensors != x.num_tensors:
+            raise ValueError(f"num_tensors={num_tensors} but x has {x.num_tensors} members")
+        return x
+    _check_input(x)
+    if not isinstance(num_tensors, int) or num_tensors < 1:
+        raise ValueError(f"num_tensors must be a positive int, got {num_tensors!r}")
+    if first_dims is not None and first_dims.device != x.device:
+        raise ValueError(f"first_dims must be on {x.device} like x, got {first_dims.device}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    g = GroupedTensor(num_tensors=num_tensors, logical_shape=tuple(x.shape), dtype=x.dtype,
+                      rowwise_data=x.view(-1), first_dims=first_dims, tensor_offsets=tensor_offsets,
+                      padded_row_offsets=None)
+    return g
+
+
+def group_quantize(x: Union[torch.Tensor, GroupedTensor], quantizer: Quantizer, num_tensors: Optional[int] = None,
+                   first_dims: Optional[torch.Tensor] = None, tensor_offsets: Optional[torch.Tensor] = None,
+                   noop_flag: Optional[torch.Tensor] = None, output: Optional[GroupedTensor] = None) -> GroupedTensor:
+    """Quantize the members of a group in one pass.
+
+    Args:
+        x: (rows, K) tensor holding the members as consecutive row blocks (or
+            a high-precision GroupedTensor).  Rows past sum(first_dims) are a
+            capacity tail: ignored, and their outputs untouched.
+        quantizer: the format (Float8BlockQuantizer on GPU today).
+        num_tensors: number of members N.
+        first_dims: (N,) int32/int64 rows per member, on x's device (never
+            read on the host); None = N equal members.
+        tensor_offsets: optional precomputed (N+1,) int64 element offsets
+            (K * row prefix sums); must match first_dims (not checked on GPU).
+        noop_flag: float32 CUDA tensor; when it holds 1.0 no output is written
+            (weight caches inside CUDA graphs).
+        output: a GroupedTensor of this quantizer whose buffers are reused in
+            place (same pointers); its metadata is updated.
+    """
+    _check_quantizer(quantizer)
+    g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets)
+    _check_format_shape(quantizer, g.logical_shape[1])
+    if g.device.type == "cpu":
+        return _group_quantize_reference(g, quantizer, output, noop_flag)
+    if isinstance(quantizer, Float8BlockQuantizer):
+        out, _ = fp8_block_ops.group_quantize(g, quantizer, noop_flag=noop_flag, output=output, with_dbias=False)
+        return out
+    raise _gpu_unsupported(quantizer)
+
+
+def group_quantize_dbias(x, quantizer: Quantizer, num_tensors: Optional[int] = None,
+                         first_dims: Optional[torch.Tensor] = None, tensor_offsets: Optional[torch.Tensor] = None,
+                         noop_flag: Optional[torch.Tensor] = None,
+                         output: Optional[GroupedTensor] = None) -> Tuple[GroupedTensor, torch.Tensor]:
+    """:func:`group_quantize` plus the bias gradient: per-member column sums
+    of x, shape (N, K), x's dtype, fp32 accumulation in a fixed order
+    (bitwise deterministic), zeros for empty members.  With ``noop_flag`` = 1
+    nothing is written (dbias is returned uninitialised)."""
+    _check_quantizer(quantizer)
+    g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets)
+    _check_format_shape(quantizer, g.logical_shape[1])
+    if g.device.type == "cpu":
+        out = _group_quantize_reference(g, quantizer, output, noop_flag)
+        return out, _dbias_reference(g)
+    if isinstance(quantizer, Float8BlockQuantizer):
+        return fp8_block_ops.group_quantize(g, quantizer, noop_flag=noop_flag, output=output, with_dbias=True)
+    raise _gpu_unsupported(quantizer)
+
+
+def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype = torch.bfloat16) -> GroupedTensor:
+    """Dequantize every member into a (rows, K) high-precision GroupedTensor
+    with the input's metadata (first_dims, tensor_offsets, logical shape).
+    Uses the rowwise copy when present, else the columnwise copy (written
+    untransposed).  Capacity-tail rows of the output are left uninitialised."""
+    if not isinstance(grouped, GroupedTensor) or not grouped.is_quantized:
+        raise TypeError("grouped must be a quantized GroupedTensor")
+    if dtype not in _HP:
+        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    q = grouped.quantizer
+    if grouped.device.type == "cpu":
+        return _group_dequantize_reference(grouped, dtype)
+    if isinstance(q, Float8BlockQuantizer):
+        return fp8_block_ops.group_dequantize(grouped, dtype)
+    raise _gpu_unsupported(q)
+
+
+# ----------------------------------------------------------------- CPU paths
+def _group_quantize_reference(g: GroupedTensor, quantizer, output, noop_flag) -> GroupedTensor:
+    out = output if output is not None else GroupedTensor.empty(
+        quantizer, g.num_tensors, g.logical_shape, dtype=g.dtype, first_dims=g.first_dims, device=g.device)
+    if output is not None:
+        fp8_block_ops.check_output(output, quantizer, g)
+    if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
+        return out
+    bufs = {name: getattr(out, name) for name in ("rowwise_data", "columnwise_data", "scale_inv",
+                                                  "columnwise_scale_inv", "amax", "columnwise_amax")}
+    ref_grouped.group_quantize_into(g.split(), quantizer, bufs)
+    _adopt_metadata(out, g)
+    return out
+
+
+def _adopt_metadata(out: GroupedTensor, g: GroupedTensor) -> None:
+    out.first_dims, out.last_dims = g.first_dims, g.last_dims
+    out.tensor_offsets, out.padded_row_offsets = g.tensor_offsets, g.padded_row_offsets
+    out.offsets_status = g.offsets_status
+    out.logical_shape, out.num_tensors, out.dtype = g.logical_shape, g.num_tensors, g.dtype
+
+
+def _dbias_reference(g: GroupedTensor) -> torch.Tensor:
+    k = g.logical_shape[1]
+    rows = [m.float().sum(0) if m.shape[0] else torch.zeros(k) for m in g.split()]
+    return torch.stack(rows).to(g.dtype)
+
+
+def _group_dequantize_reference(grouped: GroupedTensor, dtype) -> GroupedTensor:
+    rows, k = grouped.logical_shape
+    out = torch.empty(rows * k, dtype=dtype, device=grouped.device)
+    ref_grouped.group_dequantize_into(grouped.split(), grouped.quantizer, dtype,
+                                      grouped.rowwise_data is None, out)
+    res = GroupedTensor(num_tensors=grouped.num_tensors, logical_shape=grouped.logical_shape, dtype=dtype,
+                        rowwise_data=out, first_dims=grouped.first_dims, tensor_offsets=grouped.tensor_offsets,
+                        padded_row_offsets=grouped.padded_row_offsets)
+    return res

@@ -1,0 +1,23 @@
+import os
+import sys
+
+import pytest
+import torch
+
+# Running from a source checkout without installing: use python/ directly.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SRC = os.path.join(os.path.dirname(_HERE), "python")
+try:
+    import lpmoe  # noqa: F401
+except ImportError:
+    sys.path.insert(0, _SRC)
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a buffer with a recognisable byte pattern (0xA5 / NaN-ish) so
+    elements a kernel failed to write show up in bitwise comparisons."""
+    t.view(torch.uint8).fill_(0xA5)
+    return t

@@ -1,0 +1,151 @@
+import pytest
+import torch
+
+from conftest import requires_cuda
+from lpmoe import Float8BlockQuantizer, GroupedTensor, MXFP8Quantizer, NVFP4Quantizer, ShapeKind
+from lpmoe.grouped_layout import capacity_sizes, member_sizes
+
+
+def test_from_dense_varying_first_wraps_without_copy():
+    x = torch.randn(10, 32)
+    fd = torch.tensor([3, 0, 5], dtype=torch.int32)
+    g = GroupedTensor.from_dense(x, first_dims=fd)
+    assert g.shape_kind is ShapeKind.VARYING_FIRST
+    assert g.rowwise_data.data_ptr() == x.data_ptr()
+    assert g.first_dims.dtype == torch.int64 and g.last_dims is None
+    assert g.tensor_offsets.tolist() == [0, 96, 96, 256]
+    assert g.padded_row_offsets.tolist() == [[0, 3, 3, 8], [0, 4, 4, 12], [0, 128, 128, 256], [0, 512, 512, 1024]]
+    parts = g.split()
+    assert [tuple(p.shape) for p in parts] == [(3, 32), (0, 32), (5, 32)]
+    assert torch.equal(parts[2], x[3:8])
+    assert g.logical_shape == (10, 32)  # rows 8, 9 are capacity tail
+
+
+def test_same_shape():
+    x = torch.randn(12, 16, dtype=torch.bfloat16)
+    g = GroupedTensor.from_dense(x, num_tensors=3)
+    assert g.shape_kind is ShapeKind.SAME_SHAPE
+    assert g.tensor_offsets.tolist() == [0, 64, 128, 192]
+    assert g.member_shapes() == [(4, 16)] * 3
+    with pytest.raises(ValueError, match="not divisible"):
+        GroupedTensor.from_dense(torch.randn(10, 16), num_tensors=3)
+
+
+def test_from_tensors_all_kinds():
+    a, b = torch.randn(2, 4), torch.randn(3, 4)
+    g = GroupedTensor.from_tensors([a, b])
+    assert g.shape_kind is ShapeKind.VARYING_FIRST and g.logical_shape == (5, 4)
+    c = torch.randn(2, 6)
+    g = GroupedTensor.from_tensors([a, c])
+    assert g.shape_kind is ShapeKind.VARYING_LAST and g.logical_shape == (2, 10)
+    assert g.tensor_offsets.tolist() == [0, 8, 20]
+    assert [tuple(t.shape) for t in g.split()] == [(2, 4), (2, 6)]
+    assert torch.equal(g.split()[1], c)
+    d = torch.randn(5, 3)
+    g = GroupedTensor.from_tensors([a, d, torch.randn(0, 7)])
+    assert g.shape_kind is ShapeKind.VARYING_BOTH and g.logical_shape == (1, 23)
+    assert g.tensor_offsets.tolist() == [0, 8, 23, 23]
+    assert torch.equal(g.split()[1], d)
+    g = GroupedTensor.from_tensors([a, a.clone()])
+    assert g.shape_kind is ShapeKind.SAME_SHAPE
+
+
+def test_many_groups_and_large_totals():
+    fd = torch.full((128,), 3, dtype=torch.int64)
+    g = GroupedTensor.from_dense(torch.zeros(384, 8), first_dims=fd)
+    assert g.tensor_offsets[-1].item() == 384 * 8
+    # Offsets beyond 2**31 elements: metadata only (no data of that size).
+    big = GroupedTensor(num_tensors=2, logical_shape=(2**21, 4096), dtype=torch.bfloat16,
+                        rowwise_data=torch.empty(0, dtype=torch.bfloat16),
+                        first_dims=torch.tensor([2**20, 2**20]))
+    assert big.tensor_offsets.tolist() == [0, 2**32, 2**33]
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (dict(first_dims=torch.tensor([1.0, 2.0])), TypeError, "int32 or int64"),
+    (dict(first_dims=torch.tensor([1, 2, 3])), ValueError, "num_tensors=2"),
+    (dict(first_dims=torch.tensor([[1, 2]])), ValueError, "1-D"),
+    (dict(first_dims=torch.tensor([1, -2])), ValueError, "non-negative"),
+    (dict(first_dims=torch.tensor([4, 4])), ValueError, "exceeds"),
+    (dict(tensor_offsets=torch.tensor([0, 1])), ValueError, "num_tensors\\+1"),
+    (dict(tensor_offsets=torch.tensor([0, 1, 2], dtype=torch.int32)), TypeError, "int64"),
+    (dict(num_tensors=0), ValueError, "positive"),
+    (dict(logical_shape=(6,)), ValueError, "2-D"),
+    (dict(dtype=torch.int8), TypeError, "high-precision"),
+])
+def test_validation_errors(bad, err, match):
+    kwargs = dict(num_tensors=2, logical_shape=(6, 4), dtype=torch.float32, rowwise_data=torch.zeros(24),
+                  first_dims=torch.tensor([2, 3]))
+    kwargs.update(bad)
+    with pytest.raises(err, match=match):
+        GroupedTensor(**kwargs)
+
+
+def test_from_dense_errors():
+    with pytest.raises(ValueError, match="2-D"):
+        GroupedTensor.from_dense(torch.zeros(4), num_tensors=1)
+    with pytest.raises(TypeError, match="fp32/bf16/fp16"):
+        GroupedTensor.from_dense(torch.zeros(4, 4, dtype=torch.int32), num_tensors=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        GroupedTensor.from_dense(torch.zeros(4, 4).t(), num_tensors=1)
+    with pytest.raises(ValueError, match="num_tensors or first_dims"):
+        GroupedTensor.from_dense(torch.zeros(4, 4))
+
+
+def test_member_sizes_follow_quantizer_shapes():
+    q = Float8BlockQuantizer(block_dim=1)
+    s = member_sizes(q, 129, 144)
+    assert s["rowwise_data"] == 129 * 144
+    assert s["columnwise_data"] == 144 * 256  # tokens padded to 128
+    assert s["scale_inv"] == 2 * 132 and s["columnwise_scale_inv"] == 2 * 144
+    q2 = Float8BlockQuantizer(block_dim=2)
+    s = member_sizes(q2, 129, 144)
+    assert s["scale_inv"] == 2 * 4 and s["columnwise_scale_inv"] == 2 * 4
+    m = member_sizes(MXFP8Quantizer(), 64, 160)
+    assert m["scale_inv"] == 128 * 8 and m["columnwise_scale_inv"] == 4 * 256
+    f = member_sizes(NVFP4Quantizer(), 32, 64)
+    assert f["rowwise_data"] == 32 * 32 and f["columnwise_data"] == 64 * 16 and f["amax"] == 1
+
+
+@pytest.mark.parametrize("q", [Float8BlockQuantizer(block_dim=1), Float8BlockQuantizer(block_dim=2),
+                               MXFP8Quantizer(), NVFP4Quantizer()])
+def test_capacity_bounds_any_split(q):
+    # The varying-first capacity must hold the concatenated member layouts of
+    # any split; check adversarial splits (many tiny members, empties).
+    n, rows, k = 5, 160, 256
+    cap = capacity_sizes(q, n, rows, k, uniform=False)
+    for splits in ([16] * 5, [0, 0, 0, 0, 160], [144, 16, 0, 0, 0], [32, 32, 32, 32, 32]):
+        tot = {}
+        for m in splits:
+            for b, v in member_sizes(q, m, k).items():
+                tot[b] = tot.get(b, 0) + v
+        for b, v in tot.items():
+            assert v <= cap[b], (b, splits)
+
+
+def test_empty_allocates_for_quantizer():
+    q = Float8BlockQuantizer(block_dim=1, columnwise=False)
+    g = GroupedTensor.empty(q, 4, (512, 256), first_dims=torch.tensor([100, 0, 300, 12]), device="cpu")
+    assert g.columnwise_data is None and g.rowwise_data.dtype == torch.float8_e4m3fn
+    assert g.scale_inv.dtype == torch.float32
+    views = g.split()
+    assert views[0]["rowwise_data"].shape == (100, 256) and views[0]["scale_inv"].shape == (2, 100)
+    assert views[3]["scale_inv"].shape == (2, 12)
+
+
+@requires_cuda
+def test_gpu_offsets_no_sync():
+    x = torch.randn(1000, 128, device="cuda", dtype=torch.bfloat16)
+    fd = torch.tensor([100, 0, 513, 7], device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g = GroupedTensor.from_dense(x, first_dims=fd)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert g.tensor_offsets.cpu().tolist() == [0, 12800, 12800, 78464, 79360]
+    assert g.padded_row_offsets.cpu().tolist()[2] == [0, 128, 128, 768, 896]
+    g.check_device_metadata()
+    bad = GroupedTensor.from_dense(x, first_dims=torch.tensor([900, 200], device="cuda"))
+    with pytest.raises(ValueError, match="exceeds"):
+        bad.check_device_metadata()
