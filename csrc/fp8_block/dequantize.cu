@@ -39,11 +39,13 @@ __device__ __forceinline__ void store_vec(OType* p, const float (&v)[kN]) {
 
 template <typename OType, bool kE5M2, int kBlockDim, bool kColumnwise>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeArgs args) {
-  // Linear grid, K-tile fastest (contiguous rows in flight together).
+  // Linear grid ordered so that CTAs running together read contiguous
+  // memory: K-tile fastest for the rowwise source (row bands), token-tile
+  // fastest for the transposed source (runs of tokens of the same K rows).
   const int64_t K = args.cols;
   const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
-  const int64_t j = blockIdx.x / bx_count;
-  const int tile_x = static_cast<int>(blockIdx.x % bx_count);
+  const int64_t j = kColumnwise ? blockIdx.x % args.max_row_tiles : blockIdx.x / bx_count;
+  const int tile_x = static_cast<int>(kColumnwise ? blockIdx.x / args.max_row_tiles : blockIdx.x % bx_count);
   TileInfo ti;
   if (!locate_tile(args.group, args.rows, j, ti)) return;
   const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
