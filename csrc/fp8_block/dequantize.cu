@@ -100,21 +100,34 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeAr
     const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
     const uint8_t* src = q + K * ti.pad128_start + ti.local_tile * kTile;
     const bool aligned16 = (pitch % 16) == 0;
-    for (int u = threadIdx.x; u < kTile * (kTile / 16); u += kThreads) {
+    // Issue all four 16-byte loads of this thread before touching shared
+    // memory, so they are in flight together (one latency, not four).
+    constexpr int kLoads = kTile * (kTile / 16) / kThreads;
+    const int64_t tokens_in_buffer = args.pad_columnwise_tokens ? kTile : ti.rows_valid;
+    uint4 val[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int u = threadIdx.x + i * kThreads;
+      const int col = u >> 3;
+      const int tok0 = (u & 7) * 16;
+      val[i] = make_uint4(0, 0, 0, 0);
+      if (col < cols_valid && tok0 < ti.rows_valid) {
+        const uint8_t* sp = src + (col0 + col) * pitch + tok0;
+        if (aligned16 && tok0 + 16 <= tokens_in_buffer) {
+          val[i] = __ldg(reinterpret_cast<const uint4*>(sp));
+        } else {
+          uint8_t* b = reinterpret_cast<uint8_t*>(&val[i]);
+          for (int k = 0; k < 16 && tok0 + k < ti.rows_valid; ++k) b[k] = sp[k];
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int u = threadIdx.x + i * kThreads;
       const int col = u >> 3;
       const int qi = u & 7;
-      const int tok0 = qi * 16;
-      if (col >= cols_valid || tok0 >= ti.rows_valid) continue;
-      const uint8_t* sp = src + (col0 + col) * pitch + tok0;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (aligned16 && tok0 + 16 <= (args.pad_columnwise_tokens ? kTile : ti.rows_valid)) {
-        val = __ldg(reinterpret_cast<const uint4*>(sp));
-      } else {
-        uint8_t* b = reinterpret_cast<uint8_t*>(&val);
-        for (int i = 0; i < 16 && tok0 + i < ti.rows_valid; ++i) b[i] = sp[i];
-      }
-      *reinterpret_cast<uint2*>(tposed + tile_chunk_offset(col, 2 * qi)) = make_uint2(val.x, val.y);
-      *reinterpret_cast<uint2*>(tposed + tile_chunk_offset(col, 2 * qi + 1)) = make_uint2(val.z, val.w);
+      *reinterpret_cast<uint2*>(tposed + tile_chunk_offset(col, 2 * qi)) = make_uint2(val[i].x, val[i].y);
+      *reinterpret_cast<uint2*>(tposed + tile_chunk_offset(col, 2 * qi + 1)) = make_uint2(val[i].z, val[i].w);
     }
     float s[kVec];
 #pragma unroll
