@@ -47,19 +47,18 @@ __device__ __forceinline__ float elem(const RawVec8<IType>& v, int e) {
   return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
 }
 
-template <typename IType, bool kE5M2, int kBlockDim>
-__global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantizeArgs args) {
-  if (args.noop != nullptr && *args.noop == 1.0f) return;
+struct Smem {
+  float red[kWarps][kTile];  // cross-warp column partials
+  float col_scale[kTile];
+  float tile_amax[kWarps];
+  __align__(16) uint8_t tposed[kTile * kTile];
+};
 
-  // Linear grid, K-tile fastest: CTAs running together cover whole rows of
-  // one 128-row band (contiguous memory) instead of a column of tiles.
+template <typename IType, bool kE5M2, int kBlockDim>
+__device__ __forceinline__ void process_tile(const QuantizeArgs& args, const TileInfo& ti, int64_t j, int tile_x,
+                                             const RawVec8<IType> (&raw)[kRowsPerThread], Smem& sm) {
   const int64_t K = args.cols;
   const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
-  const int64_t j = blockIdx.x / bx_count;
-  const int tile_x = static_cast<int>(blockIdx.x % bx_count);
-  TileInfo ti;
-  if (!locate_tile(args.group, args.rows, j, ti)) return;
-
   const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
   const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
   const int c = threadIdx.x & 15;
@@ -69,25 +68,11 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantizeArg
   const bool col_ok = c * kVec < cols_valid;  // K % 16 == 0: whole vectors only
   const float fp8_max = Fp8Traits<kE5M2>::kMax;
   const float inf_scale = InputTraits<IType>::max_finite();
+  float (&red)[kWarps][kTile] = sm.red;
+  float (&col_scale)[kTile] = sm.col_scale;
+  float (&tile_amax_smem)[kWarps] = sm.tile_amax;
+  uint8_t* tposed = sm.tposed;
 
-  __shared__ float red[kWarps][kTile];          // cross-warp column partials
-  __shared__ float col_scale[kTile];
-  __shared__ float tile_amax_smem[kWarps];
-  __shared__ __align__(16) uint8_t tposed[kTile * kTile];
-
-  // ---- load 8 rows x 8 columns, invalid positions read as 0 --------------
-  const IType* in = static_cast<const IType*>(args.input);
-  RawVec8<IType> raw[kRowsPerThread];
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int row = g * kRowsPerThread + r;
-    if (col_ok && row < ti.rows_valid) {
-      load_vec8<IType>(in + (ti.row0 + row) * K + col0 + c * kVec, raw[r]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = make_uint4(0, 0, 0, 0);
-    }
-  }
   auto V = [&](int r, int e) { return elem<IType>(raw[r], e); };
 
   // ---- fused bias gradient: per-tile column sums (fixed order) -----------
@@ -272,19 +257,153 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantizeArg
   }
 }
 
+// ---- one tile per CTA (2D blocks and rowwise-only output: measured faster
+// this way, docs/perf-notes.md) --------------------------------------------
+template <typename IType, bool kE5M2, int kBlockDim>
+__global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const QuantizeArgs args) {
+  if (args.noop != nullptr && *args.noop == 1.0f) return;
+  __shared__ Smem sm;
+  // Linear grid, K-tile fastest: CTAs running together read whole row bands.
+  const int64_t K = args.cols;
+  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
+  const int64_t j = blockIdx.x / bx_count;
+  const int tile_x = static_cast<int>(blockIdx.x % bx_count);
+  TileInfo ti;
+  if (!locate_tile(args.group, args.rows, j, ti)) return;
+  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const bool col_ok = c * kVec < K - col0;
+  const IType* in = static_cast<const IType*>(args.input);
+  RawVec8<IType> raw[kRowsPerThread];
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int row = g * kRowsPerThread + r;
+    if (col_ok && row < ti.rows_valid) {
+      load_vec8<IType>(in + (ti.row0 + row) * K + col0 + c * kVec, raw[r]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  process_tile<IType, kE5M2, kBlockDim>(args, ti, j, tile_x, raw, sm);
+}
+
+// ---- persistent driver: next tile streams into shared memory (cp.async)
+// while the current one is reduced and transposed from registers. ---------
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  // src-size 0 zero-fills the 16 bytes: invalid rows/columns read as 0.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Each thread stages exactly the 8 rows x 8 columns it will read back, so a
+// thread only waits for its own copies: no barrier guards the stage buffer.
+template <typename IType>
+__device__ __forceinline__ void prefetch_tile(const QuantizeArgs& args, const TileInfo& ti, int tile_x,
+                                              uint8_t* stage) {
+  constexpr int kChunks = static_cast<int>(sizeof(IType)) / 2;  // 16-byte chunks per 8 elements
+  const int64_t K = args.cols;
+  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const bool col_ok = c * kVec < K - col0;
+  const IType* in = static_cast<const IType*>(args.input);
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int row = g * kRowsPerThread + r;
+    const bool ok = col_ok && row < ti.rows_valid;
+    const IType* src = ok ? in + (ti.row0 + row) * K + col0 + c * kVec : in;
+    uint8_t* dst = stage + (row * kTile + c * kVec) * sizeof(IType);
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) cp_async_16(dst + 16 * i, reinterpret_cast<const uint8_t*>(src) + 16 * i, ok);
+  }
+  cp_async_commit();
+}
+
+template <typename IType>
+__device__ __forceinline__ void read_stage(const uint8_t* stage, RawVec8<IType> (&raw)[kRowsPerThread]) {
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const uint8_t* p = stage + ((g * kRowsPerThread + r) * kTile + c * kVec) * sizeof(IType);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = *reinterpret_cast<const uint4*>(p + 16 * i);
+  }
+}
+
+// Used for 1D blocks with a transposed output, where the column reduction
+// and the transpose leave the memory system idle without a prefetch.
+template <typename IType, bool kE5M2, int kBlockDim>
+__global__ void __launch_bounds__(kThreads, 3) quantize_persistent_kernel(const QuantizeArgs args) {
+  if (args.noop != nullptr && *args.noop == 1.0f) return;
+  __shared__ Smem sm;
+  extern __shared__ __align__(16) uint8_t stage[];  // kTile*kTile*sizeof(IType) bytes
+  const int bx_count = static_cast<int>(ceil_div<int64_t>(args.cols, kTile));
+  const int64_t total = args.max_row_tiles * bx_count;
+
+  // Linear tile order, K-tile fastest: CTAs running together read whole row bands.
+  int64_t idx = blockIdx.x;
+  int64_t j = idx / bx_count;
+  int tile_x = static_cast<int>(idx % bx_count);
+  TileInfo ti;
+  if (idx >= total || !locate_tile(args.group, args.rows, j, ti)) return;
+  prefetch_tile<IType>(args, ti, tile_x, stage);
+  while (true) {
+    cp_async_wait_all();
+    RawVec8<IType> raw[kRowsPerThread];
+    read_stage<IType>(stage, raw);
+    // Start the next tile's copy before working on this one.
+    const int64_t nidx = idx + gridDim.x;
+    const int64_t nj = nidx / bx_count;
+    const int ntile_x = static_cast<int>(nidx % bx_count);
+    TileInfo nti;
+    const bool has_next = nidx < total && locate_tile(args.group, args.rows, nj, nti);
+    if (has_next) prefetch_tile<IType>(args, nti, ntile_x, stage);
+    process_tile<IType, kE5M2, kBlockDim>(args, ti, j, tile_x, raw, sm);
+    if (!has_next) break;
+    __syncthreads();  // sm (reductions, transpose tile) is reused by the next tile
+    idx = nidx;
+    j = nj;
+    tile_x = ntile_x;
+    ti = nti;
+  }
+}
+
 template <typename IType, bool kE5M2>
-cudaError_t launch_typed(const QuantizeArgs& a, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_persistent(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream) {
+  auto kernel = quantize_persistent_kernel<IType, kE5M2, 1>;
+  const int stage_bytes = kTile * kTile * static_cast<int>(sizeof(IType));
+  LPMOE_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stage_bytes));
+  int device = 0, sms = 0, per_sm = 0;
+  LPMOE_RETURN_IF_ERROR(cudaGetDevice(&device));
+  LPMOE_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  LPMOE_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, stage_bytes));
+  const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  const dim3 grid(static_cast<unsigned>(tiles < resident ? tiles : resident));
+  kernel<<<grid, kThreads, stage_bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename IType, bool kE5M2>
+cudaError_t launch_typed(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream) {
+  if (a.block_dim == 1 && a.out_col_data != nullptr) return launch_persistent<IType, kE5M2>(a, tiles, stream);
+  if (tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(tiles));
   if (a.block_dim == 2) {
-    quantize_kernel<IType, kE5M2, 2><<<grid, kThreads, 0, stream>>>(a);
+    quantize_tile_kernel<IType, kE5M2, 2><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    quantize_kernel<IType, kE5M2, 1><<<grid, kThreads, 0, stream>>>(a);
+    quantize_tile_kernel<IType, kE5M2, 1><<<grid, kThreads, 0, stream>>>(a);
   }
   return cudaGetLastError();
 }
 
 template <typename IType>
-cudaError_t launch_fp8(const QuantizeArgs& a, dim3 grid, cudaStream_t stream) {
-  return a.e5m2 ? launch_typed<IType, true>(a, grid, stream) : launch_typed<IType, false>(a, grid, stream);
+cudaError_t launch_fp8(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream) {
+  return a.e5m2 ? launch_typed<IType, true>(a, tiles, stream) : launch_typed<IType, false>(a, tiles, stream);
 }
 
 // --- deterministic reduction of the per-tile column sums -------------------
@@ -315,13 +434,11 @@ cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   if (a.out_data == nullptr && a.out_col_data == nullptr && a.dbias_workspace == nullptr) return cudaSuccess;
   const int64_t bx = ceil_div<int64_t>(a.cols, kTile);
   if (bx > 65535 || a.max_row_tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const int64_t ctas = a.max_row_tiles * bx;
-  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(ctas));
+  const int64_t tiles = a.max_row_tiles * bx;
   switch (a.input_dtype) {
-    case DType::kFloat32: return launch_fp8<float>(a, grid, stream);
-    case DType::kBFloat16: return launch_fp8<__nv_bfloat16>(a, grid, stream);
-    case DType::kFloat16: return launch_fp8<__half>(a, grid, stream);
+    case DType::kFloat32: return launch_fp8<float>(a, tiles, stream);
+    case DType::kBFloat16: return launch_fp8<__nv_bfloat16>(a, tiles, stream);
+    case DType::kFloat16: return launch_fp8<__half>(a, tiles, stream);
     default: return cudaErrorInvalidValue;
   }
 }
