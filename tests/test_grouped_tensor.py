@@ -84,7 +84,7 @@ def test_validation_errors(bad, err, match):
 def test_from_dense_errors():
     with pytest.raises(ValueError, match="2-D"):
         GroupedTensor.from_dense(torch.zeros(4), num_tensors=1)
-    with pytest.raises(TypeError, match="fp32/bf16/fp16"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         GroupedTensor.from_dense(torch.zeros(4, 4, dtype=torch.int32), num_tensors=1)
     with pytest.raises(ValueError, match="contiguous"):
         GroupedTensor.from_dense(torch.zeros(4, 4).t(), num_tensors=1)

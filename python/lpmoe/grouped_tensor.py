@@ -27,6 +27,7 @@ import torch
 from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, capacity_sizes, member_sizes
 from lpmoe.grouped_offsets import splits_to_offsets
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
+from lpmoe.reference.numerics import check_float_matrix
 
 __all__ = ["GroupedTensor", "ShapeKind"]
 
@@ -244,12 +245,7 @@ class GroupedTensor:
         read on the host) members are consecutive row blocks; rows past
         sum(first_dims) are a capacity tail.  Without it, x splits into
         ``num_tensors`` equal row blocks."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2:
-            raise ValueError(f"x must be 2-D (rows, K), got shape {tuple(x.shape)}")
-        if x.dtype not in _HP_DTYPES:
-            raise TypeError(f"x must be fp32/bf16/fp16, got {x.dtype}")
+        check_float_matrix(x, "x")
         if not x.is_contiguous():
             raise ValueError("x must be contiguous (it is wrapped without copying)")
         if first_dims is not None:

@@ -14,6 +14,7 @@ from lpmoe import fp8_block_ops
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from lpmoe.reference import grouped as ref_grouped
+from lpmoe.reference.numerics import check_float_matrix
 
 __all__ = ["quantize", "dequantize", "group_quantize", "group_quantize_dbias", "group_dequantize"]
 
@@ -25,13 +26,7 @@ def _check_quantizer(quantizer) -> None:
         raise TypeError(f"quantizer must be an lpmoe quantizer, got {type(quantizer).__name__}")
 
 
-def _check_input(x: torch.Tensor, name: str = "x") -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (rows, K), got shape {tuple(x.shape)}")
-    if x.dtype not in _HP:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+_check_input = check_float_matrix  # one rule for every 2-D high-precision input
 
 
 def _check_format_shape(quantizer, k: int) -> None:
