@@ -182,10 +182,24 @@ def test_gpu_bitexact_numerics(in_dtype, fp8, pow2, eps, block_dim):
     x[1, 130] = float("inf")
     x[2, 140] = -float("inf")
     x[3:6, :] = 0
-    x[10, 128:256] = 1e-30 if in_dtype != torch.float16 else 1e-7
+    # tiny blocks: 1e-37 makes fp8_max/amax overflow -> scale = input max
+    # (pow2: 2^127) -> subnormal scale_inv 2^-127; 3e-36 keeps the scale
+    # finite but above 2^126 (subnormal scale_inv without pow2).  fp16 cannot
+    # hold such values: its smallest subnormal is used instead.
+    x[10, 128:256] = 1e-37 if in_dtype != torch.float16 else 6e-8
+    x[11, 0:128] = 3e-36 if in_dtype != torch.float16 else 1e-7
     x[200:210, 0:128] = 0
     x[300, :] = float("nan")
     _gpu_vs_ref(x, q, splits)
+
+
+@requires_cuda
+def test_gpu_subnormal_scale_inv_is_produced():
+    q = Float8BlockQuantizer(E4M3, block_dim=1, columnwise=False)
+    x = torch.full((4, 128), 1e-37, dtype=torch.bfloat16, device="cuda")
+    g = lpmoe.group_quantize(x, q, 1)
+    s = g.scale_inv.view(torch.int32)[:4].cpu()
+    assert (s == 0x00400000).all()  # 2^-127, an fp32 subnormal: not flushed
 
 
 @requires_cuda
