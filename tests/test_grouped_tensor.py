@@ -14,7 +14,8 @@ def test_from_dense_varying_first_wraps_without_copy():
     assert g.rowwise_data.data_ptr() == x.data_ptr()
     assert g.first_dims.dtype == torch.int64 and g.last_dims is None
     assert g.tensor_offsets.tolist() == [0, 96, 96, 256]
-    assert g.padded_row_offsets.tolist() == [[0, 3, 3, 8], [0, 4, 4, 12], [0, 128, 128, 256], [0, 512, 512, 1024]]
+    assert g.padded_row_offsets.tolist() == [[0, 3, 3, 8], [0, 4, 4, 12], [0, 64, 64, 128], [0, 128, 128, 256],
+                                            [0, 512, 512, 1024]]
     parts = g.split()
     assert [tuple(p.shape) for p in parts] == [(3, 32), (0, 32), (5, 32)]
     assert torch.equal(parts[2], x[3:8])
@@ -144,7 +145,7 @@ def test_gpu_offsets_no_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert g.tensor_offsets.cpu().tolist() == [0, 12800, 12800, 78464, 79360]
-    assert g.padded_row_offsets.cpu().tolist()[2] == [0, 128, 128, 768, 896]
+    assert g.padded_row_offsets.cpu().tolist()[3] == [0, 128, 128, 768, 896]
     g.check_device_metadata()
     bad = GroupedTensor.from_dense(x, first_dims=torch.tensor([900, 200], device="cuda"))
     with pytest.raises(ValueError, match="exceeds"):

@@ -10,6 +10,9 @@
 
 #include <string>
 
+#include "common/dtypes.h"
+#include "grouped/group_rows.h"
+
 #define LPMOE_CHECK_LAUNCH(expr, what)                                                     \
   do {                                                                                    \
     cudaError_t lpmoe_status_ = (expr);                                                   \
@@ -35,6 +38,48 @@ inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const 
 }
 
 inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+
+inline void* opt_ptr(const c10::optional<at::Tensor>& t, const at::Tensor& ref, const char* name) {
+  if (!t.has_value()) return nullptr;
+  check_same_device(*t, ref, name, "input");
+  check_contiguous(*t, name);
+  return t->data_ptr();
+}
+
+inline DType to_hp_dtype(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default: TORCH_CHECK(false, "lpmoe: `", name, "` must be float32, bfloat16 or float16, got ", t);
+  }
+}
+
+// padded_row_offsets (kPaddedRows, N+1) int64 -> kernel view; None = one member.
+constexpr int64_t kPaddedRows = 5;  // row, pad4, pad64, pad128, pad512
+inline grouped::GroupRows group_rows_arg(const c10::optional<at::Tensor>& pro, int64_t num_tensors,
+                                         const at::Tensor& ref) {
+  grouped::GroupRows g;
+  g.num_tensors = static_cast<int>(num_tensors);
+  if (!pro.has_value()) {
+    TORCH_CHECK(num_tensors == 1, "lpmoe: padded_row_offsets is required for num_tensors > 1");
+    return g;
+  }
+  const at::Tensor& p = *pro;
+  check_same_device(p, ref, "padded_row_offsets", "input");
+  TORCH_CHECK(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(0) == kPaddedRows &&
+                  p.size(1) == num_tensors + 1 && p.stride(1) == 1,
+              "lpmoe: padded_row_offsets must be int64 (", kPaddedRows,
+              ", num_tensors+1) with unit inner stride, got ", p.scalar_type(), " ", p.sizes());
+  const int64_t* base = p.data_ptr<int64_t>();
+  const int64_t st = p.stride(0);
+  g.row = base;
+  g.pad4 = base + st;
+  g.pad64 = base + 2 * st;
+  g.pad128 = base + 3 * st;
+  g.pad512 = base + 4 * st;
+  return g;
+}
 
 }  // namespace binding
 }  // namespace lpmoe

@@ -4,49 +4,10 @@
 #include "binding/common.h"
 #include "binding/ops.h"
 #include "fp8_block/fp8_block.h"
+#include "grouped/group_rows.h"
 
 namespace lpmoe {
 namespace binding {
-namespace {
-
-DType to_dtype(at::ScalarType t, const char* name) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
-    default: TORCH_CHECK(false, "lpmoe: `", name, "` must be float32, bfloat16 or float16, got ", t);
-  }
-}
-
-void* opt_ptr(const c10::optional<at::Tensor>& t, const at::Tensor& ref, const char* name) {
-  if (!t.has_value()) return nullptr;
-  check_same_device(*t, ref, name, "input");
-  check_contiguous(*t, name);
-  return t->data_ptr();
-}
-
-fp8_block::GroupRows group_rows(const c10::optional<at::Tensor>& pro, int64_t num_tensors, const at::Tensor& ref) {
-  fp8_block::GroupRows g;
-  g.num_tensors = static_cast<int>(num_tensors);
-  if (!pro.has_value()) {
-    TORCH_CHECK(num_tensors == 1, "lpmoe: padded_row_offsets is required for num_tensors > 1");
-    return g;
-  }
-  const at::Tensor& p = *pro;
-  check_same_device(p, ref, "padded_row_offsets", "input");
-  TORCH_CHECK(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(0) == 4 && p.size(1) == num_tensors + 1 &&
-                  p.stride(1) == 1,
-              "lpmoe: padded_row_offsets must be int64 (4, num_tensors+1) with unit inner stride, got ",
-              p.scalar_type(), " ", p.sizes());
-  const int64_t* base = p.data_ptr<int64_t>();
-  g.row = base;
-  g.pad4 = base + p.stride(0);
-  g.pad128 = base + 2 * p.stride(0);
-  g.pad512 = base + 3 * p.stride(0);
-  return g;
-}
-
-}  // namespace
 
 void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& padded_row_offsets,
                         int64_t num_tensors, bool e5m2, int64_t block_dim, bool pow2_scales, double amax_epsilon,
@@ -67,10 +28,10 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
   c10::cuda::CUDAGuard guard(input.device());
   fp8_block::QuantizeArgs a;
   a.input = input.data_ptr();
-  a.input_dtype = to_dtype(input.scalar_type(), "x");
+  a.input_dtype = to_hp_dtype(input.scalar_type(), "x");
   a.rows = input.size(0);
   a.cols = input.size(1);
-  a.group = group_rows(padded_row_offsets, num_tensors, input);
+  a.group = group_rows_arg(padded_row_offsets, num_tensors, input);
   a.e5m2 = e5m2;
   a.block_dim = static_cast<int>(block_dim);
   a.pow2_scales = pow2_scales;
@@ -94,10 +55,10 @@ void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at:
   TORCH_CHECK(out.dim() == 2 && out.size(0) == num_tensors && out.is_contiguous(), "lpmoe: dbias must be (N, K)");
   fp8_block::DbiasReduceArgs a;
   a.workspace = workspace.data_ptr<float>();
-  a.group = group_rows(padded_row_offsets, num_tensors, workspace);
+  a.group = group_rows_arg(padded_row_offsets, num_tensors, workspace);
   a.rows = rows;
   a.cols = out.size(1);
-  a.out_dtype = to_dtype(out.scalar_type(), "dbias");
+  a.out_dtype = to_hp_dtype(out.scalar_type(), "dbias");
   a.out = out.data_ptr();
   a.noop = static_cast<const float*>(opt_ptr(noop, workspace, "noop_flag"));
   LPMOE_CHECK_LAUNCH(fp8_block::launch_dbias_reduce(a, current_stream()), "fp8_block dbias reduce");
@@ -123,8 +84,8 @@ void fp8_block_dequantize(const at::Tensor& data, const at::Tensor& scale, bool 
   a.block_dim = static_cast<int>(block_dim);
   a.rows = rows;
   a.cols = cols;
-  a.group = group_rows(padded_row_offsets, num_tensors, data);
-  a.out_dtype = to_dtype(out.scalar_type(), "out dtype");
+  a.group = group_rows_arg(padded_row_offsets, num_tensors, data);
+  a.out_dtype = to_hp_dtype(out.scalar_type(), "out dtype");
   a.out = out.data_ptr();
   a.max_row_tiles = max_row_tiles;
   LPMOE_CHECK_LAUNCH(fp8_block::launch_dequantize(a, current_stream()), "fp8_block dequantize");

@@ -16,4 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_block_quantize", &lpmoe::binding::fp8_block_quantize);
   m.def("fp8_block_dbias_reduce", &lpmoe::binding::fp8_block_dbias_reduce);
   m.def("fp8_block_dequantize", &lpmoe::binding::fp8_block_dequantize);
+  m.def("mxfp8_quantize", &lpmoe::binding::mxfp8_quantize);
+  m.def("mxfp8_dequantize", &lpmoe::binding::mxfp8_dequantize);
+  m.def("nvfp4_quantize", &lpmoe::binding::nvfp4_quantize);
+  m.def("nvfp4_dequantize", &lpmoe::binding::nvfp4_dequantize);
 }

@@ -33,5 +33,29 @@ void fp8_block_dequantize(const at::Tensor& data, const at::Tensor& scale, bool 
                           const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors,
                           const at::Tensor& out, int64_t max_row_tiles);
 
+// MXFP8 and NVFP4 (csrc/mxfp8, csrc/nvfp4); see lpmoe/mx_ops.py.
+void mxfp8_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& padded_row_offsets,
+                    int64_t num_tensors, bool by_elements, const c10::optional<at::Tensor>& offsets,
+                    const c10::optional<at::Tensor>& first_dims, const c10::optional<at::Tensor>& last_dims,
+                    int64_t common_first, int64_t common_last, int64_t rows, int64_t cols, bool e5m2,
+                    bool swizzled, const c10::optional<at::Tensor>& out_data,
+                    const c10::optional<at::Tensor>& out_scale, const c10::optional<at::Tensor>& out_col_data,
+                    const c10::optional<at::Tensor>& out_col_scale, const c10::optional<at::Tensor>& noop,
+                    int64_t num_tiles);
+void mxfp8_dequantize(const at::Tensor& data, const at::Tensor& scale, bool columnwise, bool swizzled, bool e5m2,
+                      const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors, bool by_elements,
+                      const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& first_dims,
+                      const c10::optional<at::Tensor>& last_dims, int64_t common_first, int64_t common_last,
+                      int64_t rows, int64_t cols, const at::Tensor& out, int64_t num_tiles);
+void nvfp4_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& padded_row_offsets,
+                    int64_t num_tensors, bool swizzled, const c10::optional<at::Tensor>& out_data,
+                    const c10::optional<at::Tensor>& out_scale, const c10::optional<at::Tensor>& out_col_data,
+                    const c10::optional<at::Tensor>& out_col_scale, const at::Tensor& amax,
+                    const c10::optional<at::Tensor>& col_amax, const c10::optional<at::Tensor>& noop,
+                    int64_t max_row_tiles);
+void nvfp4_dequantize(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool swizzled,
+                      const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors, int64_t rows,
+                      int64_t cols, const at::Tensor& out, int64_t max_row_tiles);
+
 }  // namespace binding
 }  // namespace lpmoe

@@ -19,18 +19,12 @@
 #include <cuda_runtime_api.h>
 
 #include "common/dtypes.h"
+#include "grouped/group_rows.h"
 
 namespace lpmoe {
 namespace fp8_block {
 
-struct GroupRows {
-  // N+1 row prefix sums; all null = one member spanning every row.
-  const int64_t* row = nullptr;
-  const int64_t* pad4 = nullptr;
-  const int64_t* pad128 = nullptr;
-  const int64_t* pad512 = nullptr;
-  int num_tensors = 1;
-};
+using grouped::GroupRows;
 
 struct QuantizeArgs {
   const void* input = nullptr;  // (rows, K) row-major, 16-byte aligned

@@ -18,10 +18,14 @@
 #include "common/cuda_utils.h"
 #include "common/numerics.cuh"
 #include "fp8_block/fp8_block.h"
-#include "fp8_block/tile_map.cuh"
+#include "grouped/row_tiles.cuh"
 
 namespace lpmoe {
 namespace fp8_block {
+using grouped::kTile;
+using grouped::TileInfo;
+using grouped::locate_tile;
+using grouped::tile_chunk_offset;
 namespace {
 
 constexpr int kThreads = 256;

@@ -21,3 +21,4 @@ from lpmoe.quantize import (  # noqa: F401,E402
     group_quantize_dbias,
     quantize,
 )
+from lpmoe.swizzle import swizzle_scales, unswizzle_scales  # noqa: F401,E402

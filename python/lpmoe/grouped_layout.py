@@ -21,7 +21,7 @@ from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantize
 __all__ = ["PADDED_ROW_ALIGNS", "member_sizes", "capacity_sizes", "BUFFERS", "cdiv", "rup"]
 
 #: alignments of the rows of padded_row_offsets (row index r -> multiple)
-PADDED_ROW_ALIGNS = (1, 4, 128, 512)
+PADDED_ROW_ALIGNS = (1, 4, 64, 128, 512)
 #: FP8 block columnwise data pads every member to this many tokens
 FP8_BLOCK_COLWISE_TOKEN_PAD = 128
 

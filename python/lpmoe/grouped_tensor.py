@@ -10,8 +10,8 @@ Members are 2-D (M_t, K_t).  Four shape kinds:
 
 ``first_dims`` / ``last_dims`` (int64, on the data's device) exist only for
 the dims that vary; ``tensor_offsets`` holds N+1 int64 element offsets (CSR).
-For VARYING_FIRST / SAME_SHAPE tensors, ``padded_row_offsets`` (4, N+1) holds
-the row prefix sums rounded per member to 1, 4, 128 and 512 rows, from which
+For VARYING_FIRST / SAME_SHAPE tensors, ``padded_row_offsets`` (5, N+1) holds
+the row prefix sums rounded per member to 1, 4, 64, 128 and 512 rows, from which
 every quantized buffer's member base offset follows (lpmoe.grouped_layout).
 All offsets are computed on the device in one launch: nothing here syncs,
 except the methods documented as host-syncing (``split``, ``members``,

@@ -10,7 +10,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from lpmoe import fp8_block_ops
+from lpmoe import fp8_block_ops, mx_ops
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from lpmoe.reference import grouped as ref_grouped
@@ -37,12 +37,6 @@ def _check_format_shape(quantizer, k: int) -> None:
         raise ValueError(f"NVFP4 needs the last dim K to be a multiple of 16, got K={k}")
 
 
-def _gpu_unsupported(quantizer) -> NotImplementedError:
-    return NotImplementedError(
-        f"{type(quantizer).__name__}: GPU kernels are not implemented yet; use CPU tensors "
-        f"(lpmoe.reference) for this format")
-
-
 def quantize(x: torch.Tensor, quantizer: Quantizer):
     """Quantize one 2-D tensor.  Returns the format's single-tensor container
     (``lpmoe.reference.Fp8BlockQuantized`` / ``MXFP8Quantized`` / ``NVFP4Quantized``)."""
@@ -53,7 +47,9 @@ def quantize(x: torch.Tensor, quantizer: Quantizer):
         return ref_grouped.quantize_member(x, quantizer)
     if isinstance(quantizer, Float8BlockQuantizer):
         return fp8_block_ops.quantize_single(x, quantizer)
-    raise _gpu_unsupported(quantizer)
+    if isinstance(quantizer, MXFP8Quantizer):
+        return mx_ops.mxfp8_quantize_single(x, quantizer)
+    return mx_ops.nvfp4_quantize_single(x, quantizer)
 
 
 def dequantize(t, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -73,36 +69,54 @@ def dequantize(t, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         src = t.data if t.data is not None else t.columnwise_data
         if src.device.type == "cpu":
             return dequantize_mxfp8(t, dtype) if isinstance(t, MXFP8Quantized) else dequantize_nvfp4(t, dtype)
-        raise NotImplementedError(f"{type(t).__name__}: GPU dequantize is not implemented yet")
+        if isinstance(t, MXFP8Quantized):
+            return mx_ops.mxfp8_dequantize_single(t, dtype)
+        return mx_ops.nvfp4_dequantize_single(t, dtype)
     raise TypeError(f"t must be a quantized tensor returned by lpmoe.quantize, got {type(t).__name__}")
 
 
-def _as_grouped_input(x, num_tensors, first_dims, tensor_offsets) -> GroupedTensor:
+def _as_grouped_input(x, num_tensors, first_dims, tensor_offsets, last_dims=None) -> GroupedTensor:
     if isinstance(x, GroupedTensor):
         if x.is_quantized:
             raise TypeError("x is already quantized; pass the high-precision tensor")
-        if x.shape_kind not in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST):
-            raise NotImplementedError(f"group_quantize supports same-shape and varying-first groups for this "
-                                      f"format, got {x.shape_kind.value}")
         if num_tensors is not None and num_tensors != x.num_tensors:
             raise ValueError(f"num_tensors={num_tensors} but x has {x.num_tensors} members")
         return x
-    _check_input(x)
     if not isinstance(num_tensors, int) or num_tensors < 1:
         raise ValueError(f"num_tensors must be a positive int, got {num_tensors!r}")
-    if first_dims is not None and first_dims.device != x.device:
-        raise ValueError(f"first_dims must be on {x.device} like x, got {first_dims.device}")
+    for name, d in (("first_dims", first_dims), ("last_dims", last_dims)):
+        if d is not None and isinstance(x, torch.Tensor) and d.device != x.device:
+            raise ValueError(f"{name} must be on {x.device} like x, got {d.device}")
+    if last_dims is not None:
+        # Varying last dims: x holds the members back to back (M_t x K_t each).
+        if not isinstance(x, torch.Tensor) or not x.is_contiguous():
+            raise ValueError("x must be a contiguous tensor")
+        if first_dims is None:
+            _check_input(x)
+            return GroupedTensor.from_flat(x.view(-1), num_tensors, last_dims=last_dims, first_dim=x.shape[0])
+        return GroupedTensor.from_flat(x.reshape(-1), num_tensors, first_dims=first_dims, last_dims=last_dims)
+    _check_input(x)
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
-    g = GroupedTensor(num_tensors=num_tensors, logical_shape=tuple(x.shape), dtype=x.dtype,
-                      rowwise_data=x.view(-1), first_dims=first_dims, tensor_offsets=tensor_offsets,
-                      padded_row_offsets=None)
-    return g
+    return GroupedTensor(num_tensors=num_tensors, logical_shape=tuple(x.shape), dtype=x.dtype,
+                         rowwise_data=x.view(-1), first_dims=first_dims, tensor_offsets=tensor_offsets,
+                         padded_row_offsets=None)
+
+
+def _check_kind(quantizer, g: GroupedTensor) -> None:
+    if isinstance(quantizer, Float8BlockQuantizer):
+        if g.shape_kind not in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST):
+            raise NotImplementedError(
+                f"FP8 block scaling groups members along the first dim; got {g.shape_kind.value}")
+        _check_format_shape(quantizer, g.logical_shape[1])
+    else:
+        mx_ops.check_layout(quantizer, g)
 
 
 def group_quantize(x: Union[torch.Tensor, GroupedTensor], quantizer: Quantizer, num_tensors: Optional[int] = None,
                    first_dims: Optional[torch.Tensor] = None, tensor_offsets: Optional[torch.Tensor] = None,
-                   noop_flag: Optional[torch.Tensor] = None, output: Optional[GroupedTensor] = None) -> GroupedTensor:
+                   noop_flag: Optional[torch.Tensor] = None, output: Optional[GroupedTensor] = None,
+                   last_dims: Optional[torch.Tensor] = None) -> GroupedTensor:
     """Quantize the members of a group in one pass.
 
     Args:
@@ -117,18 +131,24 @@ def group_quantize(x: Union[torch.Tensor, GroupedTensor], quantizer: Quantizer, 
             (K * row prefix sums); must match first_dims (not checked on GPU).
         noop_flag: float32 CUDA tensor; when it holds 1.0 no output is written
             (weight caches inside CUDA graphs).
+        last_dims: (N,) int tensor of per-member last dims (MXFP8 only):
+            varying-last (x is (M, sum K_t) holding the members back to back)
+            or, with first_dims, varying-both (x flat).  Members need
+            M_t % 128 == 0 and K_t % 128 == 0 (see mx_ops.check_layout).
         output: a GroupedTensor of this quantizer whose buffers are reused in
             place (same pointers); its metadata is updated.
     """
     _check_quantizer(quantizer)
-    g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets)
-    _check_format_shape(quantizer, g.logical_shape[1])
+    g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets, last_dims)
+    _check_kind(quantizer, g)
     if g.device.type == "cpu":
         return _group_quantize_reference(g, quantizer, output, noop_flag)
     if isinstance(quantizer, Float8BlockQuantizer):
         out, _ = fp8_block_ops.group_quantize(g, quantizer, noop_flag=noop_flag, output=output, with_dbias=False)
         return out
-    raise _gpu_unsupported(quantizer)
+    if isinstance(quantizer, MXFP8Quantizer):
+        return mx_ops.mxfp8_group_quantize(g, quantizer, noop_flag=noop_flag, output=output)
+    return mx_ops.nvfp4_group_quantize(g, quantizer, noop_flag=noop_flag, output=output)
 
 
 def group_quantize_dbias(x, quantizer: Quantizer, num_tensors: Optional[int] = None,
@@ -140,14 +160,14 @@ def group_quantize_dbias(x, quantizer: Quantizer, num_tensors: Optional[int] = N
     (bitwise deterministic), zeros for empty members.  With ``noop_flag`` = 1
     nothing is written (dbias is returned uninitialised)."""
     _check_quantizer(quantizer)
+    if not isinstance(quantizer, Float8BlockQuantizer):
+        raise NotImplementedError("group_quantize_dbias is implemented for Float8BlockQuantizer")
     g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets)
-    _check_format_shape(quantizer, g.logical_shape[1])
+    _check_kind(quantizer, g)
     if g.device.type == "cpu":
         out = _group_quantize_reference(g, quantizer, output, noop_flag)
         return out, _dbias_reference(g)
-    if isinstance(quantizer, Float8BlockQuantizer):
-        return fp8_block_ops.group_quantize(g, quantizer, noop_flag=noop_flag, output=output, with_dbias=True)
-    raise _gpu_unsupported(quantizer)
+    return fp8_block_ops.group_quantize(g, quantizer, noop_flag=noop_flag, output=output, with_dbias=True)
 
 
 def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype = torch.bfloat16) -> GroupedTensor:
@@ -164,15 +184,22 @@ def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype = torch.bfloat16
         return _group_dequantize_reference(grouped, dtype)
     if isinstance(q, Float8BlockQuantizer):
         return fp8_block_ops.group_dequantize(grouped, dtype)
-    raise _gpu_unsupported(q)
+    if isinstance(q, MXFP8Quantizer):
+        return mx_ops.mxfp8_group_dequantize(grouped, dtype)
+    return mx_ops.nvfp4_group_dequantize(grouped, dtype)
 
 
 # ----------------------------------------------------------------- CPU paths
 def _group_quantize_reference(g: GroupedTensor, quantizer, output, noop_flag) -> GroupedTensor:
-    out = output if output is not None else GroupedTensor.empty(
-        quantizer, g.num_tensors, g.logical_shape, dtype=g.dtype, first_dims=g.first_dims, device=g.device)
-    if output is not None:
-        fp8_block_ops.check_output(output, quantizer, g)
+    if isinstance(quantizer, Float8BlockQuantizer):
+        out = output if output is not None else GroupedTensor.empty(
+            quantizer, g.num_tensors, g.logical_shape, dtype=g.dtype, first_dims=g.first_dims, device=g.device)
+        if output is not None:
+            fp8_block_ops.check_output(output, quantizer, g)
+    else:
+        out = output if output is not None else mx_ops.allocate(quantizer, g)
+        if output is not None:
+            mx_ops.check_output(output, quantizer, g)
     if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
         return out
     bufs = {name: getattr(out, name) for name in ("rowwise_data", "columnwise_data", "scale_inv",
@@ -201,6 +228,6 @@ def _group_dequantize_reference(grouped: GroupedTensor, dtype) -> GroupedTensor:
     ref_grouped.group_dequantize_into(grouped.split(), grouped.quantizer, dtype,
                                       grouped.rowwise_data is None, out)
     res = GroupedTensor(num_tensors=grouped.num_tensors, logical_shape=grouped.logical_shape, dtype=dtype,
-                        rowwise_data=out, first_dims=grouped.first_dims, tensor_offsets=grouped.tensor_offsets,
-                        padded_row_offsets=grouped.padded_row_offsets)
+                        rowwise_data=out, first_dims=grouped.first_dims, last_dims=grouped.last_dims,
+                        tensor_offsets=grouped.tensor_offsets, padded_row_offsets=grouped.padded_row_offsets)
     return res

@@ -1,5 +1,5 @@
-// Maps a CTA's 128-row tile index to (member, rows) for grouped FP8-block
-// kernels.  Tiles are counted in pad128 space: member t owns tiles
+// Maps a CTA's 128-row tile index to (member, rows) for grouped kernels of
+// same-shape and varying-first groups.  Tiles are counted in pad128 space: member t owns tiles
 // [pad128[t]/128, pad128[t+1]/128), so a tile never straddles two members and
 // empty members own no tile.
 #pragma once
@@ -7,10 +7,10 @@
 #include <cstdint>
 
 #include "common/cuda_utils.h"
-#include "fp8_block/fp8_block.h"
+#include "grouped/group_rows.h"
 
 namespace lpmoe {
-namespace fp8_block {
+namespace grouped {
 
 constexpr int kTile = 128;
 
@@ -20,7 +20,7 @@ struct TileInfo {
   int64_t row0;         // first global input row of the tile
   int rows_valid;       // rows of the member inside this tile (0..128)
   int64_t m;            // member rows M_t
-  int64_t pad4_start, pad128_start, pad512_start;
+  int64_t pad4_start, pad64_start, pad128_start, pad512_start;
 };
 
 // Last t in [0, n) with off[t] <= v (lands on the non-empty owner even when
@@ -42,7 +42,7 @@ __device__ __forceinline__ bool locate_tile(const GroupRows& g, int64_t rows, in
     ti.local_tile = j;
     ti.row0 = j * kTile;
     ti.m = rows;
-    ti.pad4_start = ti.pad128_start = ti.pad512_start = 0;
+    ti.pad4_start = ti.pad64_start = ti.pad128_start = ti.pad512_start = 0;
   } else {
     const int n = g.num_tensors;
     if (j * kTile >= __ldg(g.pad128 + n)) return false;
@@ -54,6 +54,7 @@ __device__ __forceinline__ bool locate_tile(const GroupRows& g, int64_t rows, in
     ti.m = __ldg(g.row + t + 1) - start;
     ti.row0 = start + ti.local_tile * kTile;
     ti.pad4_start = __ldg(g.pad4 + t);
+    ti.pad64_start = __ldg(g.pad64 + t);
     ti.pad512_start = __ldg(g.pad512 + t);
   }
   int64_t valid = ti.m - ti.local_tile * kTile;
@@ -72,5 +73,5 @@ __device__ __forceinline__ int tile_chunk_offset(int row, int chunk) {
   return row * kTile + (((chunk ^ (row >> 3)) & 15) << 3);
 }
 
-}  // namespace fp8_block
+}  // namespace grouped
 }  // namespace lpmoe

@@ -1,0 +1,181 @@
+// MXFP8 quantize: rowwise (1x32) and columnwise (32x1, not transposed) in one
+// pass over each 128x128 tile.  Thread (c, g) holds rows 8g..8g+7 x columns
+// 8c..8c+7: a 1x32 block spans 4 neighbouring lanes (2 shuffles); a 32x1
+// block spans row groups 4q..4q+3 = two lanes of each of two warps (one
+// shuffle + one shared-memory exchange).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common/cuda_utils.h"
+#include "common/mx_numerics.cuh"
+#include "common/numerics.cuh"
+#include "mxfp8/member_tiles.cuh"
+#include "mxfp8/mxfp8.h"
+
+namespace lpmoe {
+namespace mxfp8 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kVec = 8;
+constexpr int kRows = 8;
+
+template <typename IType>
+struct RawVec8 {
+  uint4 w[sizeof(IType) / 2];
+};
+
+template <typename IType>
+__device__ __forceinline__ float elem(const RawVec8<IType>& v, int e) {
+  return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
+}
+
+// fl(1/fp8_max) computed as (float)(1.0 / max) (formats.md §0).
+template <bool kE5M2>
+__device__ __forceinline__ float max_rcp() {
+  return kE5M2 ? static_cast<float>(1.0 / 57344.0) : static_cast<float>(1.0 / 448.0);
+}
+
+template <bool kE5M2>
+__device__ __forceinline__ uint2 quantize8(const float (&x)[kVec], float mult) {
+  uint2 packed;
+  uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+  for (int e = 0; e < kVec; e += 2) h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(x[e], mult), __fmul_rn(x[e + 1], mult));
+  return packed;
+}
+
+template <typename IType, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArgs args) {
+  if (args.noop != nullptr && *args.noop == 1.0f) return;
+  MxTile t;
+  if (!locate_mx_tile(args.members, args.rows, args.cols, args.numel, blockIdx.x, t)) return;
+  __shared__ float red[kWarps][kTile];
+
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const bool col_ok = c * kVec < t.cols_valid;
+  const IType* in = static_cast<const IType*>(args.input);
+  RawVec8<IType> raw[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = g * kRows + r;
+    if (col_ok && row < t.rows_valid) {
+      const IType* p = in + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec;
+#pragma unroll
+      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  auto V = [&](int r, int e) { return elem<IType>(raw[r], e); };
+  const float rcp = max_rcp<kE5M2>();
+
+  if (args.out_data != nullptr) {
+    uint8_t* out = static_cast<uint8_t*>(args.out_data);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = g * kRows + r;
+      float x[kVec];
+      float a = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        x[e] = V(r, e);
+        a = amax_step(a, x[e]);
+      }
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+      const uint32_t e8 = float_to_e8m0(__fmul_rn(a, rcp));
+      if (col_ok && row < t.rows_valid) {
+        *reinterpret_cast<uint2*>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec) =
+            quantize8<kE5M2>(x, exp2f_rcp(e8));
+      }
+      // Every slot of the padded scale matrix inside this tile is written;
+      // rows/blocks outside the member have amax 0 -> byte 0.
+      if ((c & 3) == 0) {
+        args.out_scale[row_scale_index(t, t.r0 + row, t.c0 / 32 + c / 4, args.swizzled)] = static_cast<uint8_t>(e8);
+      }
+    }
+  }
+
+  if (args.out_col_data != nullptr) {
+    float a[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      float m = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) m = amax_step(m, V(r, e));
+      a[e] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) red[warp][c * kVec + e] = a[e];
+    }
+    __syncthreads();
+    uint32_t e8[kVec];
+    float mult[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float m = fmaxf(a[e], red[warp ^ 1][c * kVec + e]);  // warps 2q, 2q+1 share a 32-row block
+      e8[e] = float_to_e8m0(__fmul_rn(m, rcp));
+      mult[e] = exp2f_rcp(e8[e]);
+    }
+    uint8_t* out = static_cast<uint8_t*>(args.out_col_data);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = g * kRows + r;
+      if (col_ok && row < t.rows_valid) {
+        uint2 packed;
+        uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+        for (int e = 0; e < kVec; e += 2)
+          h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), mult[e]), __fmul_rn(V(r, e + 1), mult[e + 1]));
+        *reinterpret_cast<uint2*>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec) = packed;
+      }
+    }
+    if ((g & 3) == 0) {
+      const int64_t mblk = (t.r0 + g * kRows) / 32;
+      const int64_t k0 = t.c0 + c * kVec;
+      if (!args.swizzled) {
+        uint2 packed;
+        uint8_t* b = reinterpret_cast<uint8_t*>(&packed);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) b[e] = static_cast<uint8_t>(e8[e]);
+        *reinterpret_cast<uint2*>(args.out_col_scale + col_scale_index(t, mblk, k0, false)) = packed;
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e)
+          args.out_col_scale[col_scale_index(t, mblk, k0 + e, true)] = static_cast<uint8_t>(e8[e]);
+      }
+    }
+  }
+}
+
+template <typename IType>
+cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(a.num_tiles));
+  if (a.e5m2) quantize_kernel<IType, true><<<grid, kThreads, 0, s>>>(a);
+  else quantize_kernel<IType, false><<<grid, kThreads, 0, s>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
+  if (a.num_tiles < 0 || a.num_tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (!a.members.by_elements && a.cols % 16 != 0) return cudaErrorInvalidValue;
+  if (a.num_tiles == 0 || (a.out_data == nullptr && a.out_col_data == nullptr)) return cudaSuccess;
+  switch (a.input_dtype) {
+    case DType::kFloat32: return launch_typed<float>(a, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(a, stream);
+    case DType::kFloat16: return launch_typed<__half>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace mxfp8
+}  // namespace lpmoe

@@ -1,0 +1,92 @@
+// NVFP4 dequantize (rowwise copy): y = OType(fl(e2m1 * fl(fl(sf * amax) *
+// fl(1/2688)))) (formats.md §3.3), compact or swizzled scales, per-member amax.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common/cuda_utils.h"
+#include "common/mx_numerics.cuh"
+#include "common/numerics.cuh"
+#include "grouped/row_tiles.cuh"
+#include "nvfp4/nvfp4.h"
+
+namespace lpmoe {
+namespace nvfp4 {
+namespace {
+
+using grouped::kTile;
+using grouped::TileInfo;
+using grouped::locate_tile;
+constexpr int kThreads = 256;
+constexpr int kVec = 8;
+constexpr int kRows = 8;
+
+template <typename OType>
+__device__ __forceinline__ void store8(OType* p, const float (&v)[kVec]) {
+  if constexpr (sizeof(OType) == 4) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint4 raw;
+    OType* e = reinterpret_cast<OType*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) e[i] = from_float<OType>(v[i]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  }
+}
+
+template <typename OType>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeArgs a) {
+  const int bx = static_cast<int>(ceil_div<int64_t>(a.cols, kTile));
+  TileInfo ti;
+  if (!locate_tile(a.group, a.rows, blockIdx.x / bx, ti) || ti.m % 16) return;
+  const int64_t K = a.cols;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x % bx) * kTile;
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  if (c * kVec >= K - col0) return;
+  const int64_t sx = round_up<int64_t>(K / 16, 4);
+  const int64_t scale_base = ti.pad128_start * sx;
+  const float amax = a.amax[ti.member];
+  const float rcp2688 = static_cast<float>(1.0 / 2688.0);
+  uint32_t packed[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = g * kRows + r;
+    if (row < ti.rows_valid)
+      packed[r] = __ldg(reinterpret_cast<const uint32_t*>(a.data + (ti.row0 + row) * (K / 2) + (col0 + c * kVec) / 2));
+  }
+  OType* out = static_cast<OType*>(a.out);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = g * kRows + r;
+    if (row >= ti.rows_valid) continue;
+    const int64_t i = ti.local_tile * kTile + row;
+    const int64_t j = (col0 + c * kVec) / 16;
+    const uint8_t sf = a.scale[scale_base + (a.swizzled ? swizzled_index(i, j, sx / 4) : i * sx + j)];
+    const float fin = __fmul_rn(__fmul_rn(fp8_to_float<false>(sf), amax), rcp2688);
+    float v[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = __fmul_rn(e2m1_decode((packed[r] >> (4 * e)) & 0xF), fin);
+    store8<OType>(out + (ti.row0 + row) * K + col0 + c * kVec, v);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
+  if (a.cols % 16 != 0) return cudaErrorInvalidValue;
+  const int64_t bx = ceil_div<int64_t>(a.cols, kTile);
+  if (a.max_row_tiles * bx > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (a.rows == 0 || a.cols == 0 || a.max_row_tiles == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(a.max_row_tiles * bx));
+  switch (a.out_dtype) {
+    case DType::kFloat32: dequantize_kernel<float><<<grid, kThreads, 0, stream>>>(a); break;
+    case DType::kBFloat16: dequantize_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(a); break;
+    case DType::kFloat16: dequantize_kernel<__half><<<grid, kThreads, 0, stream>>>(a); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace nvfp4
+}  // namespace lpmoe

@@ -1,0 +1,261 @@
+"""MXFP8 and NVFP4 on the GPU (Hopper, software conversions): bit-exact
+against lpmoe.reference for every shape kind and direction, compact and
+swizzled scales, with poisoned outputs; grouped dequantize equals
+member-by-member dequantize; graph capture; standalone swizzle."""
+import pytest
+import torch
+
+import lpmoe
+from conftest import poison_, requires_cuda
+from lpmoe import GroupedTensor, MXFP8Quantizer, NVFP4Quantizer, ShapeKind
+from lpmoe import mx_ops
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BUFS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax")
+
+
+def _rand(n, dtype=torch.bfloat16, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    return x.to(dtype)
+
+
+def _make_input(kind, dtype, specials=True):
+    """(x_cpu, kwargs) for group_quantize for one shape kind."""
+    if kind == "same":
+        x = _rand(4 * 128 * 144, dtype).view(4 * 128, 144)
+        kw = dict(num_tensors=4)
+    elif kind == "first":
+        splits = [0, 128, 0, 93, 256, 0, 32]          # empty members front/middle/end
+        x = _rand((sum(splits) + 40) * 144, dtype).view(-1, 144)  # + capacity tail
+        kw = dict(num_tensors=len(splits), first_dims=torch.tensor(splits))
+    elif kind == "last":
+        ks = [128, 384, 0, 256]
+        x = _rand(256 * sum(ks), dtype).view(256, sum(ks))
+        kw = dict(num_tensors=4, last_dims=torch.tensor(ks))
+    else:  # both
+        ms, ks = [128, 0, 256, 128], [256, 128, 128, 384]
+        x = _rand(sum(m * k for m, k in zip(ms, ks)), dtype)
+        kw = dict(num_tensors=4, first_dims=torch.tensor(ms), last_dims=torch.tensor(ks))
+    if specials:
+        flat = x.view(-1)
+        flat[3] = float("inf")          # -> scale byte 254
+        flat[40] = float("nan")         # ignored by amax
+        flat[1000:1100] = 0             # zero blocks -> scale byte 0
+        flat[2000:2032] = 1e-30 if dtype != torch.float16 else 1e-7
+    return x, kw
+
+
+def _quantize_both(x, kw, q):
+    outs = []
+    for dev in ("cpu", "cuda"):
+        kwd = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        g = lpmoe.group_quantize(x.to(dev), q, **kwd)
+        outs.append(g)
+    return outs
+
+
+def _compare_members(a: GroupedTensor, b: GroupedTensor, names=BUFS):
+    for va, vb in zip(a.split(), b.split()):
+        for name in names:
+            if va.get(name) is None:
+                continue
+            x, y = va[name].reshape(-1).view(torch.uint8), vb[name].reshape(-1).view(torch.uint8).cpu()
+            bad = (x != y).nonzero()
+            assert bad.numel() == 0, f"{name}: {bad.numel()} bytes differ, first {bad[:4].flatten().tolist()}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["same", "first", "last", "both"])
+@pytest.mark.parametrize("swizzled", [False, True])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp8_group_quantize_bitexact(kind, swizzled, fp8, dtype):
+    q = MXFP8Quantizer(fp8, swizzled_scales=swizzled)
+    x, kw = _make_input(kind, dtype)
+    ref, _ = _quantize_both(x, kw, q)
+    # GPU with poisoned outputs: every byte of every member must be written.
+    kwd = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    from lpmoe.quantize import _as_grouped_input
+    g = _as_grouped_input(x.cuda(), kwd.pop("num_tensors"), kwd.get("first_dims"), None, kwd.get("last_dims"))
+    out = mx_ops.allocate(q, g)
+    for b in BUFS:
+        if getattr(out, b) is not None:
+            poison_(getattr(out, b))
+    got = lpmoe.group_quantize(g, q, output=out)
+    assert got.rowwise_data.data_ptr() == out.rowwise_data.data_ptr()
+    _compare_members(ref, got)
+    # capacity tail (varying-first): rows past the members stay poisoned
+    if kind == "first":
+        used = int(kw["first_dims"].sum()) * 144
+        assert (got.rowwise_data.view(torch.uint8)[used:].cpu() == 0xA5).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["same", "first", "last", "both"])
+@pytest.mark.parametrize("swizzled", [False, True])
+@pytest.mark.parametrize("columnwise", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mxfp8_group_dequantize_matches_members(kind, swizzled, columnwise, out_dtype):
+    q = MXFP8Quantizer(E4M3, rowwise=not columnwise, columnwise=columnwise, swizzled_scales=swizzled)
+    x, kw = _make_input(kind, torch.bfloat16, specials=False)
+    ref, got = _quantize_both(x, kw, q)
+    # random scale bytes everywhere, including 0, 254 and 255 (NaN)
+    name = "columnwise_scale_inv" if columnwise else "scale_inv"
+    sc = torch.randint(0, 256, (getattr(ref, name).numel(),), dtype=torch.uint8)
+    sc[:3] = torch.tensor([0, 254, 255], dtype=torch.uint8)
+    getattr(ref, name).copy_(sc)
+    getattr(got, name).copy_(sc.cuda())
+    yg = lpmoe.group_dequantize(got, out_dtype)
+    yc = lpmoe.group_dequantize(ref, out_dtype)
+    assert yg.shape_kind is got.shape_kind and yg.logical_shape == got.logical_shape
+    shapes = [tuple(t.shape) for t in yg.split()]
+    assert shapes == [tuple(t.shape) for t in yc.split()]
+    for a, b in zip(yc.split(), yg.split()):
+        b = b.cpu()
+        nan = torch.isnan(a.float())
+        assert torch.equal(nan, torch.isnan(b.float()))
+        assert torch.equal(a[~nan].view(-1).float(), b[~nan].view(-1).float())
+    # grouped == member-by-member single dequantize on the GPU, bitwise
+    for v, y in zip(got.split(), yg.split()):
+        if v["shape"][0] * v["shape"][1] == 0:
+            continue
+        t = lpmoe.reference.MXFP8Quantized(
+            data=None if columnwise else v["rowwise_data"], scale_inv=None if columnwise else v["scale_inv"],
+            columnwise_data=v["columnwise_data"] if columnwise else None,
+            columnwise_scale_inv=v["columnwise_scale_inv"] if columnwise else None,
+            fp8_dtype=E4M3, with_gemm_swizzled_scales=swizzled)
+        single = lpmoe.dequantize(t, out_dtype)
+        assert torch.equal(single.view(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [(0, 128), (1, 32), (993, 512), (65, 144), (128, 160)])
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_mxfp8_single_bitexact(shape, swizzled):
+    q = MXFP8Quantizer(E4M3, swizzled_scales=swizzled)
+    x = _rand(shape[0] * shape[1]).view(shape)
+    ref = lpmoe.quantize(x, q)
+    got = lpmoe.quantize(x.cuda(), q)
+    for f in ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        a, b = getattr(ref, f), getattr(got, f)
+        assert a.shape == b.shape, f
+        assert torch.equal(a.view(torch.uint8).cpu(), b.view(torch.uint8).cpu()), f
+    for dt in (torch.float32, torch.bfloat16):
+        assert torch.equal(lpmoe.dequantize(ref, dt), lpmoe.dequantize(got, dt).cpu())
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["single", "same", "first"])
+@pytest.mark.parametrize("swizzled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_quantize_bitexact(kind, swizzled, dtype):
+    q = NVFP4Quantizer(swizzled_scales=swizzled)
+    if kind == "single":
+        x = _rand(992 * 512, dtype).view(992, 512)
+        x[5, 7] = 300.0
+        x[600:616, 0:16] = 1e-9  # tiny block next to a large amax: scale underflow trap
+        ref, got = lpmoe.quantize(x, q), lpmoe.quantize(x.cuda(), q)
+        for f in ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax"):
+            assert torch.equal(getattr(ref, f).view(torch.uint8).cpu(), getattr(got, f).reshape(
+                getattr(ref, f).shape).view(torch.uint8).cpu()), f
+        assert torch.equal(lpmoe.dequantize(ref, torch.float32), lpmoe.dequantize(got, torch.float32).cpu())
+        return
+    if kind == "same":
+        x, kw = _rand(3 * 64 * 96, dtype).view(192, 96), dict(num_tensors=3)
+    else:
+        splits = [0, 48, 128, 0, 16]
+        x = _rand((sum(splits) + 32) * 96, dtype).view(-1, 96)
+        kw = dict(num_tensors=5, first_dims=torch.tensor(splits))
+    x.view(-1)[10] = float("nan")
+    x.view(-1)[11] = float("inf") if kind == "same" else 0.0
+    ref, got = _quantize_both(x, kw, q)
+    _compare_members(ref, got)
+    yc, yg = lpmoe.group_dequantize(ref, torch.float32), lpmoe.group_dequantize(got, torch.float32)
+    for a, b in zip(yc.split(), yg.split()):
+        b = b.cpu()
+        nan = torch.isnan(a)
+        assert torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+
+
+@requires_cuda
+def test_empty_tensors_launch_nothing_and_capture():
+    x = torch.empty(0, 128, device="cuda", dtype=torch.bfloat16)
+    for q in (MXFP8Quantizer(), NVFP4Quantizer(), MXFP8Quantizer(swizzled_scales=True)):
+        lpmoe.quantize(x, q)  # warm-up (allocations) outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            t = lpmoe.quantize(x, q)
+            y = lpmoe.dequantize(t, torch.bfloat16)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert y.shape == (0, 128)
+
+
+@requires_cuda
+@pytest.mark.parametrize("q", [MXFP8Quantizer(swizzled_scales=True), NVFP4Quantizer()])
+def test_graph_replay_new_splits_equals_eager(q):
+    rows, k, n = 1024, 256, 4
+    x = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
+    fd = torch.empty(n, device="cuda", dtype=torch.int64)
+    x.copy_(_rand(rows * k).view(rows, k))
+    fd.copy_(torch.tensor([128, 256, 0, 512]))
+    out = lpmoe.group_quantize(x, q, n, first_dims=fd)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out = lpmoe.group_quantize(x, q, n, first_dims=fd, output=out)
+            g_deq = lpmoe.group_dequantize(g_out, torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for splits in ([16, 32, 480, 496], [0, 0, 1024, 0]):
+        x.copy_(_rand(rows * k).view(rows, k))
+        fd.copy_(torch.tensor(splits))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = lpmoe.group_quantize(x.clone(), q, n, first_dims=fd.clone())
+        _compare_members(eager, g_out)
+        e_deq = lpmoe.group_dequantize(eager, torch.bfloat16)
+        for a, b in zip(e_deq.split(), g_deq.split()):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("kind", ["first", "both"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_swizzle_grouped_matches_swizzled_quantize(device, kind, fmt):
+    if fmt == "nvfp4" and kind == "both":
+        pytest.skip("NVFP4 groups are same-shape / varying-first")
+    make = (lambda s: MXFP8Quantizer(E4M3, swizzled_scales=s)) if fmt == "mxfp8" else \
+        (lambda s: NVFP4Quantizer(swizzled_scales=s))
+    if fmt == "nvfp4":
+        splits = [0, 48, 160, 16]
+        x = _rand((sum(splits) + 16) * 96).view(-1, 96)
+        kw = dict(num_tensors=4, first_dims=torch.tensor(splits))
+    else:
+        x, kw = _make_input(kind, torch.bfloat16, specials=False)
+    kwd = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    compact = lpmoe.group_quantize(x.to(device), make(False), **kwd)
+    direct = lpmoe.group_quantize(x.to(device), make(True), **kwd)
+    swz = lpmoe.swizzle_scales(compact)
+    assert swz.with_gemm_swizzled_scales
+    _compare_members(direct, swz, ("scale_inv", "columnwise_scale_inv"))
+    back = lpmoe.unswizzle_scales(swz)
+    _compare_members(compact, back, ("scale_inv", "columnwise_scale_inv"))
+
+
+def test_layout_errors_are_clear():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        lpmoe.group_quantize(torch.zeros(100, 256), MXFP8Quantizer(), 2, last_dims=torch.tensor([128, 128]))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        lpmoe.group_quantize(torch.zeros(128 * 200), MXFP8Quantizer(), 2, first_dims=torch.tensor([128, 0]),
+                             last_dims=torch.tensor([200, 0]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        lpmoe.group_quantize(torch.zeros(64, 32), NVFP4Quantizer(), 2, first_dims=torch.tensor([8, 56]))
+    with pytest.raises(NotImplementedError, match="same-shape and varying-first"):
+        lpmoe.group_quantize(torch.zeros(128, 256), NVFP4Quantizer(), 2, last_dims=torch.tensor([128, 128]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        lpmoe.group_quantize(torch.zeros(64, 40), MXFP8Quantizer(), 1)
