@@ -37,15 +37,6 @@ __device__ __forceinline__ float max_rcp() {
   return kE5M2 ? static_cast<float>(1.0 / 57344.0) : static_cast<float>(1.0 / 448.0);
 }
 
-template <bool kE5M2>
-__device__ __forceinline__ uint2 quantize8(const float (&x)[kVec], float mult) {
-  uint2 packed;
-  uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-  for (int e = 0; e < kVec; e += 2) h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(x[e], mult), __fmul_rn(x[e + 1], mult));
-  return packed;
-}
-
 template <typename IType, bool kE5M2>
 __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArgs args) {
   if (args.noop != nullptr && *args.noop == 1.0f) return;
@@ -80,19 +71,20 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = g * kRows + r;
-      float x[kVec];
       float a = 0.0f;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        x[e] = V(r, e);
-        a = amax_step(a, x[e]);
-      }
+      for (int e = 0; e < kVec; ++e) a = amax_step(a, V(r, e));
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
       const uint32_t e8 = float_to_e8m0(__fmul_rn(a, rcp));
       if (col_ok && row < t.rows_valid) {
-        *reinterpret_cast<uint2*>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec) =
-            quantize8<kE5M2>(x, exp2f_rcp(e8));
+        const float mult = exp2f_rcp(e8);
+        uint2 packed;
+        uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+        for (int e = 0; e < kVec; e += 2)
+          h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), mult), __fmul_rn(V(r, e + 1), mult));
+        *reinterpret_cast<uint2*>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec) = packed;
       }
       // Every slot of the padded scale matrix inside this tile is written;
       // rows/blocks outside the member have amax 0 -> byte 0.
@@ -116,14 +108,24 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
       for (int e = 0; e < kVec; ++e) red[warp][c * kVec + e] = a[e];
     }
     __syncthreads();
-    uint32_t e8[kVec];
-    float mult[kVec];
+    // a[e] becomes the multiplier of column e; its scale byte is written at
+    // once (no per-column byte array kept alive).
+    const bool writes_scales = (g & 3) == 0;
+    const int64_t mblk = (t.r0 + g * kRows) / 32;
+    const int64_t k0 = t.c0 + c * kVec;
+    uint2 packed_scales = make_uint2(0, 0);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       const float m = fmaxf(a[e], red[warp ^ 1][c * kVec + e]);  // warps 2q, 2q+1 share a 32-row block
-      e8[e] = float_to_e8m0(__fmul_rn(m, rcp));
-      mult[e] = exp2f_rcp(e8[e]);
+      const uint32_t e8 = float_to_e8m0(__fmul_rn(m, rcp));
+      a[e] = exp2f_rcp(e8);
+      if (e < 4) packed_scales.x |= e8 << (8 * e);
+      else packed_scales.y |= e8 << (8 * (e - 4));
+      if (writes_scales && args.swizzled)
+        args.out_col_scale[col_scale_index(t, mblk, k0 + e, true)] = static_cast<uint8_t>(e8);
     }
+    if (writes_scales && !args.swizzled)
+      *reinterpret_cast<uint2*>(args.out_col_scale + col_scale_index(t, mblk, k0, false)) = packed_scales;
     uint8_t* out = static_cast<uint8_t*>(args.out_col_data);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -133,23 +135,8 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
         uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
 #pragma unroll
         for (int e = 0; e < kVec; e += 2)
-          h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), mult[e]), __fmul_rn(V(r, e + 1), mult[e + 1]));
+          h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), a[e]), __fmul_rn(V(r, e + 1), a[e + 1]));
         *reinterpret_cast<uint2*>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec) = packed;
-      }
-    }
-    if ((g & 3) == 0) {
-      const int64_t mblk = (t.r0 + g * kRows) / 32;
-      const int64_t k0 = t.c0 + c * kVec;
-      if (!args.swizzled) {
-        uint2 packed;
-        uint8_t* b = reinterpret_cast<uint8_t*>(&packed);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) b[e] = static_cast<uint8_t>(e8[e]);
-        *reinterpret_cast<uint2*>(args.out_col_scale + col_scale_index(t, mblk, k0, false)) = packed;
-      } else {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e)
-          args.out_col_scale[col_scale_index(t, mblk, k0 + e, true)] = static_cast<uint8_t>(e8[e]);
       }
     }
   }

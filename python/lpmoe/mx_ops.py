@@ -83,8 +83,10 @@ def allocate(q, g: GroupedTensor) -> GroupedTensor:
     bufs = {}
     for name, size in sizes.items():
         wanted = q.rowwise if name in ("rowwise_data", "scale_inv", "amax") else q.columnwise
-        bufs[name] = torch.empty(size, dtype=dt.get(name, torch.float32), device=dev) if wanted and (
-            size or name.endswith("data")) else None
+        if name.endswith("amax") and not isinstance(q, NVFP4Quantizer):
+            wanted = False
+        # Empty members still get (empty) buffers: shapes stay well defined.
+        bufs[name] = torch.empty(size, dtype=dt.get(name, torch.float32), device=dev) if wanted else None
     # NVFP4 dequantize needs the amax even when only the columnwise copy exists.
     if isinstance(q, NVFP4Quantizer) and bufs.get("amax") is None:
         bufs["amax"] = torch.empty(g.num_tensors, dtype=torch.float32, device=dev)
