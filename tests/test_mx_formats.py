@@ -60,7 +60,7 @@ def _compare_members(a: GroupedTensor, b: GroupedTensor, names=BUFS):
         for name in names:
             if va.get(name) is None:
                 continue
-            x, y = va[name].reshape(-1).view(torch.uint8), vb[name].reshape(-1).view(torch.uint8).cpu()
+            x, y = va[name].reshape(-1).view(torch.uint8).cpu(), vb[name].reshape(-1).view(torch.uint8).cpu()
             bad = (x != y).nonzero()
             assert bad.numel() == 0, f"{name}: {bad.numel()} bytes differ, first {bad[:4].flatten().tolist()}"
 

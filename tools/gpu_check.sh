@@ -44,7 +44,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 rc=0
 if [ "$RUN_TESTS" = 1 ]; then
-  PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider tests -x 2>&1 | tee "$OUT/pytest.log" | tail -25
+  PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider tests --maxfail=25 2>&1 | tee "$OUT/pytest.log" | tail -25
   rc=${PIPESTATUS[0]}
   summary+=("tests|$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/pytest.log" | tail -1)")
 fi
