@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 
 #include "common/cuda_utils.h"
+#include "common/cp_async.cuh"
 #include "common/numerics.cuh"
 #include "fp8_block/fp8_block.h"
 #include "grouped/row_tiles.cuh"
@@ -295,14 +296,6 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const Quanti
 
 // ---- persistent driver: next tile streams into shared memory (cp.async)
 // while the current one is reduced and transposed from registers. ---------
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  // src-size 0 zero-fills the 16 bytes: invalid rows/columns read as 0.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 // Each thread stages exactly the 8 rows x 8 columns it will read back, so a
 // thread only waits for its own copies: no barrier guards the stage buffer.
 template <typename IType>

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include "common/cuda_utils.h"
+#include "common/cp_async.cuh"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
 #include "mxfp8/member_tiles.cuh"
@@ -38,31 +39,13 @@ __device__ __forceinline__ float max_rcp() {
 }
 
 template <typename IType, bool kE5M2>
-__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArgs args) {
-  if (args.noop != nullptr && *args.noop == 1.0f) return;
-  MxTile t;
-  if (!locate_mx_tile(args.members, args.rows, args.cols, args.numel, blockIdx.x, t)) return;
-  __shared__ float red[kWarps][kTile];
-
+__device__ __forceinline__ void process_tile(const QuantizeArgs& args, const MxTile& t,
+                                             const RawVec8<IType> (&raw)[kRows], float (&red)[kWarps][kTile]) {
   const int c = threadIdx.x & 15;
   const int g = threadIdx.x >> 4;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const bool col_ok = c * kVec < t.cols_valid;
-  const IType* in = static_cast<const IType*>(args.input);
-  RawVec8<IType> raw[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = g * kRows + r;
-    if (col_ok && row < t.rows_valid) {
-      const IType* p = in + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec;
-#pragma unroll
-      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
-    } else {
-#pragma unroll
-      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = make_uint4(0, 0, 0, 0);
-    }
-  }
   auto V = [&](int r, int e) { return elem<IType>(raw[r], e); };
   const float rcp = max_rcp<kE5M2>();
 
@@ -142,12 +125,82 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
   }
 }
 
+// Each thread stages exactly the 8 rows x 8 columns it later reads back.
+template <typename IType>
+__device__ __forceinline__ void prefetch_tile(const QuantizeArgs& args, const MxTile& t, uint8_t* stage) {
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const bool col_ok = c * kVec < t.cols_valid;
+  const IType* in = static_cast<const IType*>(args.input);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = g * kRows + r;
+    const bool ok = col_ok && row < t.rows_valid;
+    const IType* src = ok ? in + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec : in;
+    uint8_t* dst = stage + (row * kTile + c * kVec) * sizeof(IType);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i)
+      cp_async_16(dst + 16 * i, reinterpret_cast<const uint8_t*>(src) + 16 * i, ok);
+  }
+  cp_async_commit();
+}
+
+// Persistent CTAs: the next tile streams into shared memory (cp.async) while
+// the current one is reduced and quantized from registers.
+template <typename IType, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArgs args) {
+  if (args.noop != nullptr && *args.noop == 1.0f) return;
+  __shared__ float red[kWarps][kTile];
+  extern __shared__ __align__(16) uint8_t stage[];
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  int64_t idx = blockIdx.x;
+  MxTile t;
+  // Tiles that locate to nothing (capacity tail, skipped members) are passed over.
+  while (idx < args.num_tiles && !locate_mx_tile(args.members, args.rows, args.cols, args.numel, idx, t)) idx += gridDim.x;
+  if (idx >= args.num_tiles) return;
+  prefetch_tile<IType>(args, t, stage);
+  while (true) {
+    cp_async_wait_all();
+    RawVec8<IType> raw[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const uint8_t* p = stage + ((g * kRows + r) * kTile + c * kVec) * sizeof(IType);
+#pragma unroll
+      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = *reinterpret_cast<const uint4*>(p + 16 * i);
+    }
+    int64_t nidx = idx + gridDim.x;
+    MxTile nt;
+    while (nidx < args.num_tiles && !locate_mx_tile(args.members, args.rows, args.cols, args.numel, nidx, nt))
+      nidx += gridDim.x;
+    const bool has_next = nidx < args.num_tiles;
+    if (has_next) prefetch_tile<IType>(args, nt, stage);
+    process_tile<IType, kE5M2>(args, t, raw, red);
+    if (!has_next) break;
+    __syncthreads();  // `red` is reused by the next tile
+    idx = nidx;
+    t = nt;
+  }
+}
+
+template <typename IType, bool kE5M2>
+cudaError_t launch_kernel(const QuantizeArgs& a, cudaStream_t s) {
+  auto kernel = quantize_kernel<IType, kE5M2>;
+  const int stage_bytes = kTile * kTile * static_cast<int>(sizeof(IType));
+  LPMOE_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stage_bytes));
+  int device = 0, sms = 0, per_sm = 0;
+  LPMOE_RETURN_IF_ERROR(cudaGetDevice(&device));
+  LPMOE_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  LPMOE_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, stage_bytes));
+  const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  const dim3 grid(static_cast<unsigned>(a.num_tiles < resident ? a.num_tiles : resident));
+  kernel<<<grid, kThreads, stage_bytes, s>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename IType>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t s) {
-  const dim3 grid(static_cast<unsigned>(a.num_tiles));
-  if (a.e5m2) quantize_kernel<IType, true><<<grid, kThreads, 0, s>>>(a);
-  else quantize_kernel<IType, false><<<grid, kThreads, 0, s>>>(a);
-  return cudaGetLastError();
+  return a.e5m2 ? launch_kernel<IType, true>(a, s) : launch_kernel<IType, false>(a, s);
 }
 
 }  // namespace

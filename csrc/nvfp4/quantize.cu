@@ -102,14 +102,15 @@ __device__ __forceinline__ TwoLevel global_scale(float amax) {
   float s_enc = __fdiv_rn(2688.0f, amax);  // fl(448 * 6) = 2688 exactly
   s_enc = fminf(s_enc, kFltMax);
   if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
-  return {__fdiv_rn(1.0f, s_enc), __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu))};
+  return {__frcp_rn(s_enc), __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu))};
 }
 
 // Block part: stored E4M3 scale byte and the encode multiplier.
 __device__ __forceinline__ uint8_t block_scale(float bamax, const TwoLevel& s, float& enc) {
   const uint8_t sf = float_to_e4m3_sat(fminf(__fmul_rn(bamax, s.mult), kFltMax));
   const float sf_f = fp8_to_float<false>(sf);
-  enc = fminf(__fdiv_rn(1.0f, __fmul_rn(sf_f, s.s_dec)), kFltMax);  // sf == 0 -> 1/0 = inf -> FLT_MAX
+  // __frcp_rn is the correctly rounded 1/x (same bits as IEEE 1.0f / x, cheaper).
+  enc = fminf(__frcp_rn(__fmul_rn(sf_f, s.s_dec)), kFltMax);  // sf == 0 -> 1/0 = inf -> FLT_MAX
   return sf;
 }
 
