@@ -44,19 +44,16 @@ __host__ __device__ __forceinline__ int64_t swizzled_index(int64_t i, int64_t j,
 // fp32 -> E2M1 code (0..15): round to nearest even, saturate to +-6, NaN -> +6
 // (code 7), sign kept for zero results (formats.md §0).
 __device__ __forceinline__ uint32_t e2m1_encode(float y) {
-  if (isnan(y)) return 7;
-  const uint32_t sign = (__float_as_uint(y) >> 31) << 3;
+  // Branch-free: the code is the number of rounding thresholds |y| passes
+  // (ties go to the even code: '>' at ties rounding down, '>=' up), so lanes
+  // with different values never diverge.
   const float a = fabsf(y);
-  uint32_t code;
-  if (a <= 0.25f) code = 0;        // tie 0.25 -> 0 (even)
-  else if (a < 0.75f) code = 1;    // 0.5 ; tie 0.75 -> 1.0 (even)
-  else if (a <= 1.25f) code = 2;   // 1.0 ; tie 1.25 -> 1.0
-  else if (a < 1.75f) code = 3;    // 1.5 ; tie 1.75 -> 2.0
-  else if (a <= 2.5f) code = 4;    // 2.0 ; tie 2.5 -> 2.0
-  else if (a < 3.5f) code = 5;     // 3.0 ; tie 3.5 -> 4.0
-  else if (a <= 5.0f) code = 6;    // 4.0 ; tie 5.0 -> 4.0
-  else code = 7;                   // 6.0 (saturates)
-  return sign | code;
+  const uint32_t code = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) +
+                        static_cast<uint32_t>(a > 1.25f) + static_cast<uint32_t>(a >= 1.75f) +
+                        static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
+                        static_cast<uint32_t>(a > 5.0f);
+  const uint32_t sign = (__float_as_uint(y) >> 31) << 3;
+  return isnan(y) ? 7u : (sign | code);
 }
 
 __device__ __forceinline__ float e2m1_decode(uint32_t code) {
