@@ -26,7 +26,7 @@ def _make_input(kind, dtype, specials=True):
         x = _rand(4 * 128 * 144, dtype).view(4 * 128, 144)
         kw = dict(num_tensors=4)
     elif kind == "first":
-        splits = [0, 128, 0, 93, 256, 0, 32]          # empty members front/middle/end
+        splits = [0, 128, 0, 93, 256, 0, 32, 0]       # empty members front/middle/end
         x = _rand((sum(splits) + 40) * 144, dtype).view(-1, 144)  # + capacity tail
         kw = dict(num_tensors=len(splits), first_dims=torch.tensor(splits))
     elif kind == "last":

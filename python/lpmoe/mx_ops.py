@@ -313,14 +313,18 @@ def nvfp4_quantize_single(x: torch.Tensor, q: NVFP4Quantizer) -> NVFP4Quantized:
         raise ValueError(f"NVFP4 needs both dims divisible by 16, got shape ({m}, {k})")
     g = _single_group(x.contiguous())
     out = allocate(q, g)
-    ext().nvfp4_quantize(g.rowwise_data.view(m, k), None, 1, q.swizzled_scales,
-                         out.rowwise_data if q.rowwise else None,
-                         out.scale_inv.view(torch.uint8) if q.rowwise else None,
-                         out.columnwise_data if q.columnwise else None,
-                         out.columnwise_scale_inv.view(torch.uint8) if q.columnwise else None,
-                         out.amax, out.columnwise_amax if q.columnwise else None, None, cdiv(m, 128))
-    if m * k == 0:
+    if m * k:
+        ext().nvfp4_quantize(g.rowwise_data.view(m, k), None, 1, q.swizzled_scales,
+                             out.rowwise_data if q.rowwise else None,
+                             out.scale_inv.view(torch.uint8) if q.rowwise else None,
+                             out.columnwise_data if q.columnwise else None,
+                             out.columnwise_scale_inv.view(torch.uint8) if q.columnwise else None,
+                             out.amax, out.columnwise_amax if q.columnwise else None, None, cdiv(m, 128))
+    else:  # no lpmoe kernel for an empty tensor; its amax is 0
         _zero_scales(out)
+        for b in (out.amax, out.columnwise_amax):
+            if b is not None:
+                b.zero_()
     return NVFP4Quantized(
         data=_view(out.rowwise_data, (m, k // 2)), scale_inv=_scale_view(out.scale_inv, q, m, k, False),
         amax=out.amax[:1].clone() if q.rowwise else None,
