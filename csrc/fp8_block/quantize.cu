@@ -404,12 +404,20 @@ cudaError_t launch_fp8(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream
 }
 
 // --- deterministic reduction of the per-tile column sums -------------------
+// CTA = 32 columns x 8 tile lanes: lane l sums tiles l, l+8, l+16, ... of the
+// member in order, then lane partials are added in lane order.  The
+// assignment and order are fixed, so the result is bitwise reproducible, and
+// a member with hundreds of tiles is summed 8-way in parallel.
+constexpr int kDbiasCols = 32;
+constexpr int kDbiasLanes = 8;
+
 template <typename OType>
-__global__ void dbias_reduce_kernel(const DbiasReduceArgs args) {
+__global__ void __launch_bounds__(kDbiasCols * kDbiasLanes) dbias_reduce_kernel(const DbiasReduceArgs args) {
   if (args.noop != nullptr && *args.noop == 1.0f) return;
   const int t = blockIdx.y;
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (k >= args.cols) return;
+  const int col = threadIdx.x % kDbiasCols;
+  const int lane = threadIdx.x / kDbiasCols;
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * kDbiasCols + col;
   int64_t first_tile = 0, tiles = 0;
   if (args.group.row == nullptr) {
     tiles = ceil_div<int64_t>(args.rows, kTile);
@@ -418,8 +426,18 @@ __global__ void dbias_reduce_kernel(const DbiasReduceArgs args) {
     tiles = (args.group.pad128[t + 1] - args.group.pad128[t]) / kTile;
   }
   float acc = 0.0f;
-  for (int64_t i = 0; i < tiles; ++i) acc += args.workspace[(first_tile + i) * args.cols + k];
-  static_cast<OType*>(args.out)[t * args.cols + k] = from_float<OType>(acc);
+  if (k < args.cols) {
+    for (int64_t i = lane; i < tiles; i += kDbiasLanes) acc += args.workspace[(first_tile + i) * args.cols + k];
+  }
+  __shared__ float part[kDbiasLanes][kDbiasCols];
+  part[lane][col] = acc;
+  __syncthreads();
+  if (lane == 0 && k < args.cols) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int l = 0; l < kDbiasLanes; ++l) sum += part[l][col];
+    static_cast<OType*>(args.out)[t * args.cols + k] = from_float<OType>(sum);
+  }
 }
 
 }  // namespace
@@ -442,8 +460,8 @@ cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_dbias_reduce(const DbiasReduceArgs& a, cudaStream_t stream) {
   if (a.cols == 0 || a.group.num_tensors == 0) return cudaSuccess;
-  const int threads = 256;
-  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(a.cols, threads)), static_cast<unsigned>(a.group.num_tensors));
+  const int threads = kDbiasCols * kDbiasLanes;
+  const dim3 grid(static_cast<unsigned>(ceil_div<int64_t>(a.cols, kDbiasCols)), static_cast<unsigned>(a.group.num_tensors));
   switch (a.out_dtype) {
     case DType::kFloat32: dbias_reduce_kernel<float><<<grid, threads, 0, stream>>>(a); break;
     case DType::kBFloat16: dbias_reduce_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(a); break;
