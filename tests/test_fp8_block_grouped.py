@@ -194,6 +194,22 @@ def test_gpu_bitexact_numerics(in_dtype, fp8, pow2, eps, block_dim):
 
 
 @requires_cuda
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_gpu_negative_nan_is_canonical(fp8):
+    # NaN of either sign quantizes to the canonical 0x7F (formats.md §0).
+    x = torch.randn(128, 128)
+    x[0, 0] = float("nan")
+    x[1, 1] = -float("nan")
+    x[2, 2] = torch.tensor(-float("nan")).abs().neg()
+    q = Float8BlockQuantizer(fp8, block_dim=1)
+    ref = lpmoe.quantize(x, q)
+    got = lpmoe.quantize(x.cuda(), q)
+    for f in ("data", "columnwise_data"):
+        assert torch.equal(getattr(ref, f).view(torch.uint8), getattr(got, f).view(torch.uint8).cpu()), f
+    assert int(ref.data.view(torch.uint8)[1, 1]) == 0x7F
+
+
+@requires_cuda
 def test_gpu_subnormal_scale_inv_is_produced():
     q = Float8BlockQuantizer(E4M3, block_dim=1, columnwise=False)
     x = torch.full((4, 128), 1e-37, dtype=torch.bfloat16, device="cuda")

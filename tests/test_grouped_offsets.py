@@ -67,6 +67,8 @@ def test_validation_errors():
         splits_to_offsets(torch.tensor([1]), [1], [0])
     with pytest.raises(ValueError, match="num_splits"):
         splits_to_offsets(None, [1], [1], uniform_split=3)
+    with pytest.raises(ValueError, match="capacity_rows"):
+        splits_to_offsets(torch.tensor([1]), [1], [1], capacity_rows=-1)
 
 
 @requires_cuda

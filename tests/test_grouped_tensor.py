@@ -56,8 +56,8 @@ def test_many_groups_and_large_totals():
     g = GroupedTensor.from_dense(torch.zeros(384, 8), first_dims=fd)
     assert g.tensor_offsets[-1].item() == 384 * 8
     # Offsets beyond 2**31 elements: metadata only (no data of that size).
-    big = GroupedTensor(num_tensors=2, logical_shape=(2**21, 4096), dtype=torch.bfloat16,
-                        rowwise_data=torch.empty(0, dtype=torch.bfloat16),
+    huge = torch.zeros(1, dtype=torch.bfloat16).expand(2**33)  # 2^33 elements, no memory
+    big = GroupedTensor(num_tensors=2, logical_shape=(2**21, 4096), dtype=torch.bfloat16, rowwise_data=huge,
                         first_dims=torch.tensor([2**20, 2**20]))
     assert big.tensor_offsets.tolist() == [0, 2**32, 2**33]
 
@@ -73,6 +73,8 @@ def test_many_groups_and_large_totals():
     (dict(num_tensors=0), ValueError, "positive"),
     (dict(logical_shape=(6,)), ValueError, "2-D"),
     (dict(dtype=torch.int8), TypeError, "high-precision"),
+    (dict(rowwise_data=torch.zeros(23)), ValueError, "needs 24"),
+    (dict(rowwise_data=torch.zeros(24, dtype=torch.float16)), TypeError, "group's dtype"),
 ])
 def test_validation_errors(bad, err, match):
     kwargs = dict(num_tensors=2, logical_shape=(6, 4), dtype=torch.float32, rowwise_data=torch.zeros(24),
@@ -150,3 +152,28 @@ def test_gpu_offsets_no_sync():
     bad = GroupedTensor.from_dense(x, first_dims=torch.tensor([900, 200], device="cuda"))
     with pytest.raises(ValueError, match="exceeds"):
         bad.check_device_metadata()
+
+
+def test_caller_padded_row_offsets_are_recomputed():
+    # Derived metadata cannot be injected: kernels index buffers with it.
+    bogus = torch.full((5, 3), 10**6, dtype=torch.int64)
+    g = GroupedTensor(num_tensors=2, logical_shape=(6, 4), dtype=torch.float32, rowwise_data=torch.zeros(24),
+                      first_dims=torch.tensor([2, 3]), padded_row_offsets=bogus)
+    assert g.padded_row_offsets.tolist()[0] == [0, 2, 5]
+
+
+def test_quantized_buffers_checked():
+    q = Float8BlockQuantizer()
+    fd = torch.tensor([100, 28])
+    good = GroupedTensor.empty(q, 2, (128, 256), first_dims=fd, device="cpu")
+    with pytest.raises(TypeError, match="scale_inv has dtype"):
+        GroupedTensor(num_tensors=2, logical_shape=(128, 256), dtype=torch.bfloat16, quantizer=q,
+                      rowwise_data=good.rowwise_data, scale_inv=good.scale_inv.view(torch.uint8), first_dims=fd)
+    with pytest.raises(ValueError, match="columnwise_data holds"):
+        GroupedTensor(num_tensors=2, logical_shape=(128, 256), dtype=torch.bfloat16, quantizer=q,
+                      columnwise_data=good.columnwise_data[:100], first_dims=fd)
+
+
+def test_from_tensors_all_empty_members_of_different_width():
+    g = GroupedTensor.from_tensors([torch.zeros(0, 3), torch.zeros(0, 5)])
+    assert g.shape_kind is ShapeKind.VARYING_LAST and g.logical_shape == (0, 8)

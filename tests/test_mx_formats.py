@@ -259,3 +259,31 @@ def test_layout_errors_are_clear():
         lpmoe.group_quantize(torch.zeros(128, 256), NVFP4Quantizer(), 2, last_dims=torch.tensor([128, 128]))
     with pytest.raises(ValueError, match="multiple of 16"):
         lpmoe.group_quantize(torch.zeros(64, 40), MXFP8Quantizer(), 1)
+
+
+def test_nvfp4_columnwise_only_keeps_amax_cpu():
+    x = torch.randn(64, 32)
+    g = lpmoe.group_quantize(x, NVFP4Quantizer(rowwise=False), 2, first_dims=torch.tensor([32, 32]))
+    ref = [x[:32].abs().max(), x[32:].abs().max()]
+    assert torch.equal(g.amax, torch.stack(ref)) and torch.equal(g.columnwise_amax, g.amax)
+
+
+@requires_cuda
+def test_gpu_validation_of_buffers():
+    q = MXFP8Quantizer()
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    t = lpmoe.quantize(x, q)
+    bad = lpmoe.reference.MXFP8Quantized(data=t.data, scale_inv=t.scale_inv[:, :2], columnwise_data=None,
+                                         columnwise_scale_inv=None, fp8_dtype=E4M3, with_gemm_swizzled_scales=False)
+    with pytest.raises(ValueError, match="scales must hold"):
+        lpmoe.dequantize(bad, torch.bfloat16)
+    out = lpmoe.group_quantize(x, q, 2)
+    out.scale_inv = out.scale_inv.view(torch.int8)
+    with pytest.raises(TypeError, match="scale_inv has dtype"):
+        lpmoe.group_quantize(x, q, 2, output=out)
+    # a misaligned output buffer is refused before any launch
+    fq = lpmoe.Float8BlockQuantizer()
+    o = GroupedTensor.empty(fq, 2, (256, 128), device="cuda")
+    o.rowwise_data = torch.empty(256 * 128 + 1, dtype=torch.float8_e4m3fn, device="cuda")[1:]
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        lpmoe.group_quantize(x, fq, 2, output=o)

@@ -37,6 +37,20 @@ inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const 
               ref_name, "` is on ", ref.device());
 }
 
+// A buffer a kernel reads or writes with vector accesses: contiguous, on the
+// reference device, 16-byte aligned, of the expected element size, and at
+// least `min_numel` elements long.
+inline void check_buffer(const at::Tensor& t, const at::Tensor& ref, const char* name, int64_t elem_size,
+                         int64_t min_numel) {
+  check_same_device(t, ref, name, "input");
+  check_contiguous(t, name);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "lpmoe: `", name, "` must be 16-byte aligned");
+  TORCH_CHECK(t.element_size() == elem_size, "lpmoe: `", name, "` must have ", elem_size,
+              "-byte elements, got ", t.scalar_type());
+  TORCH_CHECK(t.numel() >= min_numel, "lpmoe: `", name, "` holds ", t.numel(), " elements, needs at least ",
+              min_numel);
+}
+
 inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
 
 inline void* opt_ptr(const c10::optional<at::Tensor>& t, const at::Tensor& ref, const char* name) {

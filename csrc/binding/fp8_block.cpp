@@ -25,6 +25,20 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
   if (noop.has_value()) {
     TORCH_CHECK(noop->scalar_type() == at::kFloat && noop->numel() >= 1, "lpmoe: `noop_flag` must be a float32 tensor");
   }
+  const int64_t rows = input.size(0), cols = input.size(1);
+  if (out_data.has_value()) {
+    check_buffer(*out_data, input, "output.rowwise_data", 1, rows * cols);
+    check_buffer(*out_scale, input, "output.scale_inv", 4, 0);
+    TORCH_CHECK(out_scale->scalar_type() == at::kFloat, "lpmoe: FP8 block scale_inv must be float32");
+  }
+  if (out_col_data.has_value()) {
+    check_buffer(*out_col_data, input, "output.columnwise_data", 1, rows * cols);
+    check_buffer(*out_col_scale, input, "output.columnwise_scale_inv", 4, 0);
+    TORCH_CHECK(out_col_scale->scalar_type() == at::kFloat, "lpmoe: FP8 block columnwise_scale_inv must be float32");
+  }
+  if (dbias_workspace.has_value()) {
+    check_buffer(*dbias_workspace, input, "dbias workspace", 4, max_row_tiles * cols);
+  }
   c10::cuda::CUDAGuard guard(input.device());
   fp8_block::QuantizeArgs a;
   a.input = input.data_ptr();
@@ -53,6 +67,8 @@ void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at:
   check_cuda(workspace, "workspace");
   c10::cuda::CUDAGuard guard(workspace.device());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == num_tensors && out.is_contiguous(), "lpmoe: dbias must be (N, K)");
+  TORCH_CHECK(num_tensors <= 65535, "lpmoe: at most 65535 members per dbias reduction, got ", num_tensors);
+  TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous(), "lpmoe: dbias workspace must be fp32");
   fp8_block::DbiasReduceArgs a;
   a.workspace = workspace.data_ptr<float>();
   a.group = group_rows_arg(padded_row_offsets, num_tensors, workspace);
@@ -73,7 +89,9 @@ void fp8_block_dequantize(const at::Tensor& data, const at::Tensor& scale, bool 
   check_same_device(scale, data, "scale_inv", "data");
   check_same_device(out, data, "out", "data");
   TORCH_CHECK(scale.scalar_type() == at::kFloat, "lpmoe: FP8 block scale_inv must be float32");
-  TORCH_CHECK(out.is_contiguous() && out.numel() >= rows * cols, "lpmoe: dequantize output too small");
+  check_buffer(data, data, "data", 1, rows * cols);
+  check_buffer(scale, data, "scale_inv", 4, 0);
+  check_buffer(out, data, "out", out.element_size(), rows * cols);
   c10::cuda::CUDAGuard guard(data.device());
   fp8_block::DequantizeArgs a;
   a.data = data.data_ptr();

@@ -51,13 +51,23 @@ void mxfp8_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& pa
   TORCH_CHECK(reinterpret_cast<uintptr_t>(input.data_ptr()) % 16 == 0, "lpmoe: `x` must be 16-byte aligned");
   TORCH_CHECK(out_data.has_value() == out_scale.has_value() && out_col_data.has_value() == out_col_scale.has_value(),
               "lpmoe: data and scale outputs come in pairs");
+  TORCH_CHECK(input.numel() >= rows * cols, "lpmoe: `x` holds ", input.numel(), " elements, the shape needs ",
+              rows * cols);
+  if (out_data.has_value()) {
+    check_buffer(*out_data, input, "output.rowwise_data", 1, rows * cols);
+    check_buffer(*out_scale, input, "output.scale_inv", 1, 0);
+  }
+  if (out_col_data.has_value()) {
+    check_buffer(*out_col_data, input, "output.columnwise_data", 1, rows * cols);
+    check_buffer(*out_col_scale, input, "output.columnwise_scale_inv", 1, 0);
+  }
   c10::cuda::CUDAGuard guard(input.device());
   mxfp8::QuantizeArgs a;
   a.input = input.data_ptr();
   a.input_dtype = to_hp_dtype(input.scalar_type(), "x");
   a.rows = rows;
   a.cols = cols;
-  a.numel = input.numel();
+  a.numel = rows * cols;  // members must lie inside the logical shape the outputs were sized for
   a.members = members_arg(padded_row_offsets, num_tensors, by_elements, offsets, first_dims, last_dims, common_first,
                           common_last, input);
   a.e5m2 = e5m2;
@@ -81,7 +91,9 @@ void mxfp8_dequantize(const at::Tensor& data, const at::Tensor& scale, bool colu
   check_same_device(scale, data, "scale_inv", "data");
   check_same_device(out, data, "out", "data");
   TORCH_CHECK(scale.scalar_type() == at::kByte, "lpmoe: MXFP8 scales must be uint8 (E8M0)");
-  TORCH_CHECK(out.is_contiguous() && out.numel() >= data.numel(), "lpmoe: dequantize output too small");
+  check_buffer(data, data, "data", 1, rows * cols);
+  check_buffer(scale, data, "scale_inv", 1, 0);
+  check_buffer(out, data, "out", out.element_size(), rows * cols);
   c10::cuda::CUDAGuard guard(data.device());
   mxfp8::DequantizeArgs a;
   a.data = data.data_ptr();
@@ -91,7 +103,7 @@ void mxfp8_dequantize(const at::Tensor& data, const at::Tensor& scale, bool colu
   a.e5m2 = e5m2;
   a.rows = rows;
   a.cols = cols;
-  a.numel = data.numel();
+  a.numel = rows * cols;
   a.members = members_arg(padded_row_offsets, num_tensors, by_elements, offsets, first_dims, last_dims, common_first,
                           common_last, data);
   a.out_dtype = to_hp_dtype(out.scalar_type(), "out dtype");
@@ -111,6 +123,19 @@ void nvfp4_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& pa
   TORCH_CHECK(input.dim() == 2, "lpmoe: `x` must be 2-D");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(input.data_ptr()) % 16 == 0, "lpmoe: `x` must be 16-byte aligned");
   TORCH_CHECK(amax.scalar_type() == at::kFloat && amax.numel() >= num_tensors, "lpmoe: amax must be fp32 (N,)");
+  const int64_t half = input.numel() / 2;
+  if (out_data.has_value()) {
+    check_buffer(*out_data, input, "output.rowwise_data", 1, half);
+    check_buffer(*out_scale, input, "output.scale_inv", 1, 0);
+  }
+  if (out_col_data.has_value()) {
+    check_buffer(*out_col_data, input, "output.columnwise_data", 1, half);
+    check_buffer(*out_col_scale, input, "output.columnwise_scale_inv", 1, 0);
+  }
+  if (col_amax.has_value()) {
+    TORCH_CHECK(col_amax->scalar_type() == at::kFloat && col_amax->numel() >= num_tensors,
+                "lpmoe: columnwise_amax must be fp32 (N,)");
+  }
   c10::cuda::CUDAGuard guard(input.device());
   nvfp4::QuantizeArgs a;
   a.input = input.data_ptr();
@@ -138,7 +163,9 @@ void nvfp4_dequantize(const at::Tensor& data, const at::Tensor& scale, const at:
   check_same_device(amax, data, "amax", "data");
   check_same_device(out, data, "out", "data");
   TORCH_CHECK(amax.scalar_type() == at::kFloat && amax.numel() >= num_tensors, "lpmoe: amax must be fp32 (N,)");
-  TORCH_CHECK(out.is_contiguous() && out.numel() >= rows * cols, "lpmoe: dequantize output too small");
+  check_buffer(data, data, "data", 1, rows * cols / 2);
+  check_buffer(scale, data, "scale_inv", 1, 0);
+  check_buffer(out, data, "out", out.element_size(), rows * cols);
   c10::cuda::CUDAGuard guard(data.device());
   nvfp4::DequantizeArgs a;
   a.data = static_cast<const uint8_t*>(data.data_ptr());

@@ -13,7 +13,7 @@ from lpmoe._ext import ext
 from lpmoe.grouped_layout import capacity_sizes, cdiv
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.quantizers import Float8BlockQuantizer
-from lpmoe.reference.fp8_block import Fp8BlockQuantized
+from lpmoe.reference.fp8_block import Fp8BlockQuantized, block_scale_shape
 
 _BUFS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv")
 
@@ -53,9 +53,13 @@ def check_output(output: GroupedTensor, q: Float8BlockQuantizer, g: GroupedTenso
         raise ValueError(f"output is on {output.device}, input on {g.device}")
     rows, k = g.logical_shape
     need = capacity_sizes(q, g.num_tensors, rows, k, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
+    want_dtype = {"rowwise_data": q.fp8_dtype, "columnwise_data": q.fp8_dtype, "scale_inv": torch.float32,
+                  "columnwise_scale_inv": torch.float32}
     for name in _BUFS:
         wanted = (q.rowwise if name in ("rowwise_data", "scale_inv") else q.columnwise) and need[name] > 0
         buf = getattr(output, name)
+        if buf is not None and buf.dtype != want_dtype[name]:
+            raise TypeError(f"output.{name} has dtype {buf.dtype}, expected {want_dtype[name]}")
         if wanted and (buf is None or buf.numel() < need[name]):
             have = None if buf is None else buf.numel()
             raise ValueError(f"output.{name} holds {have} elements, needs {need[name]} for this input")
@@ -72,7 +76,7 @@ def _alloc(q: Float8BlockQuantizer, g: GroupedTensor) -> GroupedTensor:
         scale_inv=mk(sizes["scale_inv"], torch.float32) if q.rowwise else None,
         columnwise_data=mk(sizes["columnwise_data"], q.fp8_dtype) if q.columnwise else None,
         columnwise_scale_inv=mk(sizes["columnwise_scale_inv"], torch.float32) if q.columnwise else None,
-        first_dims=g.first_dims, tensor_offsets=g.tensor_offsets, padded_row_offsets=g.padded_row_offsets)
+        first_dims=g.first_dims, tensor_offsets=g.tensor_offsets, padded_row_offsets=g.padded_row_offsets, _trusted_offsets=True)
 
 
 def _adopt(out: GroupedTensor, g: GroupedTensor) -> None:
@@ -130,7 +134,7 @@ def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype) -> GroupedTenso
                                max_row_tiles(grouped))
     return GroupedTensor(num_tensors=grouped.num_tensors, logical_shape=grouped.logical_shape, dtype=dtype,
                          rowwise_data=out, first_dims=grouped.first_dims, tensor_offsets=grouped.tensor_offsets,
-                         padded_row_offsets=grouped.padded_row_offsets)
+                         padded_row_offsets=grouped.padded_row_offsets, _trusted_offsets=True)
 
 
 def quantize_single(x: torch.Tensor, q: Float8BlockQuantizer) -> Fp8BlockQuantized:
@@ -160,6 +164,12 @@ def dequantize_single(t: Fp8BlockQuantized, dtype: torch.dtype) -> torch.Tensor:
     scale = t.columnwise_scale_inv if columnwise else t.scale_inv
     m, k = (data.shape[1], data.shape[0]) if columnwise else tuple(data.shape)
     _check_k(k)
+    if scale is None or scale.dtype != torch.float32:
+        raise TypeError("FP8 block scale_inv must be a float32 tensor")
+    need = block_scale_shape(m, k, t.block_dim, columnwise)
+    if scale.numel() < need[0] * need[1] or data.dtype != t.fp8_dtype:
+        raise ValueError(f"scale_inv must hold the {need} GEMM-ready layout and data must be {t.fp8_dtype}; "
+                         f"got {tuple(scale.shape)} and {data.dtype}")
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if m and k:
         ext().fp8_block_dequantize(data.contiguous(), scale.contiguous(), columnwise, False,

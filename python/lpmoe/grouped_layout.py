@@ -60,7 +60,8 @@ def member_sizes(quantizer: Optional[Quantizer], m: int, k: int) -> Dict[str, in
             sizes["columnwise_data"] = _prod(q.get_data_shape((m, k), columnwise=True))
         sizes["columnwise_scale_inv"] = _prod(q.get_scale_shape((m, k), columnwise=True))
     if isinstance(q, NVFP4Quantizer):
-        sizes["amax"] = 1 if q.rowwise else 0
+        # amax is kept even for a columnwise-only tensor (dequantize needs it)
+        sizes["amax"] = 1
         sizes["columnwise_amax"] = 1 if q.columnwise else 0
     return sizes
 
@@ -102,16 +103,14 @@ def capacity_sizes(quantizer: Optional[Quantizer], num_tensors: int, rows: int, 
             sizes["columnwise_scale_inv"] = (padded_rows // 32) * rup(k, 128)
         return sizes
     if isinstance(q, NVFP4Quantizer):
-        if rows % 16:
-            raise ValueError(f"NVFP4 grouped buffers need rows % 16 == 0, got {rows}")
         padded_rows = rows + 127 * n
         if q.rowwise:
             sizes["rowwise_data"] = rows * k // 2
             sizes["scale_inv"] = padded_rows * rup(k // 16, 4)
-            sizes["amax"] = n
         if q.columnwise:
             sizes["columnwise_data"] = rows * k // 2
             sizes["columnwise_scale_inv"] = rup(k, 128) * (rup(rows // 16, 4) + 4 * n)
             sizes["columnwise_amax"] = n
+        sizes["amax"] = n
         return sizes
     raise TypeError(f"unsupported quantizer {type(q).__name__}")

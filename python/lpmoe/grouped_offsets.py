@@ -83,6 +83,8 @@ def splits_to_offsets(
         raise ValueError("strides, aligns and times_second must have the same length")
     if any(a < 1 for a in aligns):
         raise ValueError(f"aligns must be >= 1, got {aligns}")
+    if capacity_rows is not None and capacity_rows < 0:
+        raise ValueError(f"capacity_rows must be >= 0 (or None for unchecked), got {capacity_rows}")
     if any(times_second) and second is None:
         raise ValueError("times_second is set for an output but `second` is None")
 

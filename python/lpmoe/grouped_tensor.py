@@ -77,7 +77,13 @@ class GroupedTensor:
         tensor_offsets: Optional[torch.Tensor] = None,
         padded_row_offsets: Optional[torch.Tensor] = None,
         with_gemm_swizzled_scales: bool = False,
+        _trusted_offsets: bool = False,
     ):
+        """``padded_row_offsets`` is derived data (the kernels index scale
+        and transposed buffers with it): a value passed by the caller is
+        ignored and recomputed from the dims, unless ``_trusted_offsets``
+        (library-internal: it was produced by lpmoe's offsets kernel for
+        exactly these dims)."""
         if not isinstance(num_tensors, int) or num_tensors < 1:
             raise ValueError(f"num_tensors must be a positive int, got {num_tensors!r}")
         logical_shape = tuple(int(d) for d in logical_shape)
@@ -113,6 +119,7 @@ class GroupedTensor:
 
         rows, cols = logical_shape
         kind = self.shape_kind
+        self._check_buffers()
         if kind is ShapeKind.SAME_SHAPE and rows % n:
             raise ValueError(f"same-shape group: logical rows {rows} not divisible by num_tensors {n}")
         if kind is ShapeKind.VARYING_BOTH and rows != 1:
@@ -129,6 +136,8 @@ class GroupedTensor:
                                  f"got {tensor_offsets.numel()}")
             if tensor_offsets.device != device:
                 raise ValueError(f"tensor_offsets must be on {device}, got {tensor_offsets.device}")
+        if not _trusted_offsets:
+            padded_row_offsets = None
         if padded_row_offsets is not None and tuple(padded_row_offsets.shape) != (len(PADDED_ROW_ALIGNS), n + 1):
             raise ValueError(f"padded_row_offsets must have shape {(len(PADDED_ROW_ALIGNS), n + 1)}, "
                              f"got {tuple(padded_row_offsets.shape)}")
@@ -143,6 +152,38 @@ class GroupedTensor:
             self._compute_offsets()
             if given is not None:
                 self.tensor_offsets = given
+
+    def _check_buffers(self) -> None:
+        """Every buffer has the dtype of its format and at least the size the
+        layout needs, so no kernel can read or write past it."""
+        rows, cols = self.logical_shape
+        q = self.quantizer
+        if q is None:
+            for name in ("rowwise_data", "columnwise_data"):
+                b = getattr(self, name)
+                if b is None:
+                    continue
+                if b.dtype != self.dtype:
+                    raise TypeError(f"{name} has dtype {b.dtype}, expected {self.dtype} (the group's dtype)")
+                if b.numel() < rows * cols:
+                    raise ValueError(f"{name} holds {b.numel()} elements, the logical shape {self.logical_shape} "
+                                     f"needs {rows * cols}")
+            return
+        dtypes = _buffer_dtypes(q, self.dtype)
+        if self.shape_kind in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST):
+            need = capacity_sizes(q, self.num_tensors, rows, cols, uniform=self.shape_kind is ShapeKind.SAME_SHAPE)
+        else:
+            per = 32 if isinstance(q, MXFP8Quantizer) else 1
+            need = {"rowwise_data": rows * cols, "columnwise_data": rows * cols, "scale_inv": rows * cols // per,
+                    "columnwise_scale_inv": rows * cols // per, "amax": 0, "columnwise_amax": 0}
+        for name, size in need.items():
+            b = getattr(self, name)
+            if b is None:
+                continue
+            if b.dtype != dtypes[name]:
+                raise TypeError(f"{name} has dtype {b.dtype}, expected {dtypes[name]} for {type(q).__name__}")
+            if b.numel() < size:
+                raise ValueError(f"{name} holds {b.numel()} elements, this layout needs {size}")
 
     # ------------------------------------------------------------------ shape
     @property
@@ -259,7 +300,8 @@ class GroupedTensor:
 
     @classmethod
     def from_flat(cls, data: torch.Tensor, num_tensors: int, *, first_dims: Optional[torch.Tensor] = None,
-                  last_dims: Optional[torch.Tensor] = None, first_dim: Optional[int] = None) -> "GroupedTensor":
+                  last_dims: Optional[torch.Tensor] = None, first_dim: Optional[int] = None,
+                  total_last: Optional[int] = None) -> "GroupedTensor":
         """Wrap a flat 1-D buffer of members with varying last dims (common
         ``first_dim``) or varying both dims, without copying."""
         if data.dim() != 1:
@@ -271,7 +313,7 @@ class GroupedTensor:
                 raise ValueError("varying-last groups need the common first_dim")
             if data.numel() % max(first_dim, 1):
                 raise ValueError(f"flat buffer of {data.numel()} elements is not a multiple of first_dim {first_dim}")
-            shape = (first_dim, data.numel() // max(first_dim, 1))
+            shape = (first_dim, total_last if total_last is not None else data.numel() // max(first_dim, 1))
         else:
             shape = (1, data.numel())
         return cls(num_tensors=num_tensors, logical_shape=shape, dtype=data.dtype, rowwise_data=data,
@@ -312,7 +354,8 @@ class GroupedTensor:
         t0 = tensors[0]
         flat = torch.cat([t.reshape(-1) for t in tensors])
         last = torch.tensor([t.shape[1] for t in tensors], dtype=torch.int64).to(t0.device)
-        return cls.from_flat(flat, len(tensors), last_dims=last, first_dim=t0.shape[0])
+        return cls.from_flat(flat, len(tensors), last_dims=last, first_dim=t0.shape[0],
+                             total_last=sum(t.shape[1] for t in tensors))
 
     @classmethod
     def empty(cls, quantizer: Optional[Quantizer], num_tensors: int, logical_shape: Sequence[int], *,

@@ -61,6 +61,24 @@ def check_layout(q, g: GroupedTensor) -> None:
             raise ValueError(f"NVFP4 needs every first_dims entry to be a multiple of 16, got {d.tolist()}")
 
 
+def _dtypes(q) -> dict:
+    if isinstance(q, MXFP8Quantizer):
+        return {"rowwise_data": q.fp8_dtype, "columnwise_data": q.fp8_dtype, "scale_inv": torch.uint8,
+                "columnwise_scale_inv": torch.uint8}
+    return {"rowwise_data": torch.uint8, "columnwise_data": torch.uint8, "scale_inv": torch.float8_e4m3fn,
+            "columnwise_scale_inv": torch.float8_e4m3fn, "amax": torch.float32, "columnwise_amax": torch.float32}
+
+
+def _check_single_scale(scale, data_dtype, want_data, shape_fn, m, k, columnwise, swizzled, name):
+    if scale is None:
+        raise ValueError(f"{name}: missing scales")
+    need = shape_fn(m, k, columnwise)
+    if scale.numel() < need[0] * need[1] or scale.element_size() != 1 or data_dtype != want_data:
+        raise ValueError(f"{name}: scales must hold the padded {need} layout (1-byte elements, "
+                         f"{'swizzled' if swizzled else 'compact'}) and data must be {want_data}; got "
+                         f"{tuple(scale.shape)} {scale.dtype} and {data_dtype}")
+
+
 def allocate(q, g: GroupedTensor) -> GroupedTensor:
     """Uninitialised output buffers of format ``q`` for the members of ``g``
     (capacity for any split of its rows), carrying g's metadata."""
@@ -72,27 +90,22 @@ def allocate(q, g: GroupedTensor) -> GroupedTensor:
                  "columnwise_scale_inv": numel // 32, "amax": 0, "columnwise_amax": 0}
     else:
         sizes = capacity_sizes(q, g.num_tensors, rows, cols, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
-    if isinstance(q, MXFP8Quantizer):
-        dt = {"rowwise_data": q.fp8_dtype, "columnwise_data": q.fp8_dtype, "scale_inv": torch.uint8,
-              "columnwise_scale_inv": torch.uint8}
-    else:
-        dt = {"rowwise_data": torch.uint8, "columnwise_data": torch.uint8, "scale_inv": torch.float8_e4m3fn,
-              "columnwise_scale_inv": torch.float8_e4m3fn, "amax": torch.float32, "columnwise_amax": torch.float32}
-        sizes["amax"] = g.num_tensors if q.rowwise else 0
+    dt = _dtypes(q)
+    if isinstance(q, NVFP4Quantizer):
+        sizes["amax"] = g.num_tensors  # kept even when only the columnwise copy is produced
         sizes["columnwise_amax"] = g.num_tensors if q.columnwise else 0
     bufs = {}
     for name, size in sizes.items():
-        wanted = q.rowwise if name in ("rowwise_data", "scale_inv", "amax") else q.columnwise
-        if name.endswith("amax") and not isinstance(q, NVFP4Quantizer):
-            wanted = False
+        wanted = q.rowwise if name in ("rowwise_data", "scale_inv") else q.columnwise
+        if name == "amax":
+            wanted = isinstance(q, NVFP4Quantizer)
+        elif name == "columnwise_amax":
+            wanted = isinstance(q, NVFP4Quantizer) and q.columnwise
         # Empty members still get (empty) buffers: shapes stay well defined.
         bufs[name] = torch.empty(size, dtype=dt.get(name, torch.float32), device=dev) if wanted else None
-    # NVFP4 dequantize needs the amax even when only the columnwise copy exists.
-    if isinstance(q, NVFP4Quantizer) and bufs.get("amax") is None:
-        bufs["amax"] = torch.empty(g.num_tensors, dtype=torch.float32, device=dev)
     return GroupedTensor(num_tensors=g.num_tensors, logical_shape=g.logical_shape, dtype=g.dtype, quantizer=q,
                          first_dims=g.first_dims, last_dims=g.last_dims, tensor_offsets=g.tensor_offsets,
-                         padded_row_offsets=g.padded_row_offsets,
+                         padded_row_offsets=g.padded_row_offsets, _trusted_offsets=True,
                          with_gemm_swizzled_scales=bool(q.swizzled_scales), **bufs)
 
 
@@ -104,8 +117,11 @@ def check_output(output: GroupedTensor, q, g: GroupedTensor) -> None:
     if output.device != g.device:
         raise ValueError(f"output is on {output.device}, input on {g.device}")
     ref = _sizes(q, g)
+    want = _dtypes(q)
     for name, size in ref.items():
         buf = getattr(output, name)
+        if buf is not None and name in want and buf.dtype != want[name]:
+            raise TypeError(f"output.{name} has dtype {buf.dtype}, expected {want[name]}")
         if size and (buf is None or buf.numel() < size):
             raise ValueError(f"output.{name} holds {None if buf is None else buf.numel()} elements, "
                              f"needs {size} for this input")
@@ -200,7 +216,7 @@ def mxfp8_group_dequantize(grouped: GroupedTensor, dtype: torch.dtype) -> Groupe
                                _num_tiles(grouped))
     return GroupedTensor(num_tensors=grouped.num_tensors, logical_shape=grouped.logical_shape, dtype=dtype,
                          rowwise_data=out, first_dims=grouped.first_dims, last_dims=grouped.last_dims,
-                         tensor_offsets=grouped.tensor_offsets, padded_row_offsets=grouped.padded_row_offsets)
+                         tensor_offsets=grouped.tensor_offsets, padded_row_offsets=grouped.padded_row_offsets, _trusted_offsets=True)
 
 
 # ----------------------------------------------------------------- NVFP4 GPU
@@ -235,7 +251,7 @@ def nvfp4_group_dequantize(grouped: GroupedTensor, dtype: torch.dtype) -> Groupe
                            rows, cols, out, max_row_tiles(grouped))
     return GroupedTensor(num_tensors=grouped.num_tensors, logical_shape=grouped.logical_shape, dtype=dtype,
                          rowwise_data=out, first_dims=grouped.first_dims, tensor_offsets=grouped.tensor_offsets,
-                         padded_row_offsets=grouped.padded_row_offsets)
+                         padded_row_offsets=grouped.padded_row_offsets, _trusted_offsets=True)
 
 
 # ------------------------------------------------------------ single tensor
@@ -244,7 +260,8 @@ def _single_group(x: torch.Tensor) -> GroupedTensor:
     # (one member spanning every row), so nothing extra is launched.
     g = GroupedTensor(num_tensors=1, logical_shape=tuple(x.shape), dtype=x.dtype, rowwise_data=x.reshape(-1),
                       tensor_offsets=torch.zeros(2, dtype=torch.int64, device=x.device),
-                      padded_row_offsets=torch.zeros((5, 2), dtype=torch.int64, device=x.device))
+                      padded_row_offsets=torch.zeros((5, 2), dtype=torch.int64, device=x.device),
+                      _trusted_offsets=True)
     g.padded_row_offsets = None
     return g
 
@@ -297,6 +314,9 @@ def mxfp8_dequantize_single(t: MXFP8Quantized, dtype: torch.dtype) -> torch.Tens
     data = t.columnwise_data if columnwise else t.data
     scale = t.columnwise_scale_inv if columnwise else t.scale_inv
     m, k = data.shape
+    from lpmoe.reference.mxfp8 import mxfp8_scale_shape
+    _check_single_scale(scale, data.dtype, t.fp8_dtype, mxfp8_scale_shape, m, k, columnwise,
+                        t.with_gemm_swizzled_scales, "MXFP8 dequantize")
     out = torch.empty((m, k), dtype=dtype, device=data.device)
     if m * k:
         if k % 16:
@@ -327,7 +347,7 @@ def nvfp4_quantize_single(x: torch.Tensor, q: NVFP4Quantizer) -> NVFP4Quantized:
                 b.zero_()
     return NVFP4Quantized(
         data=_view(out.rowwise_data, (m, k // 2)), scale_inv=_scale_view(out.scale_inv, q, m, k, False),
-        amax=out.amax[:1].clone() if q.rowwise else None,
+        amax=out.amax[:1],  # kept for a columnwise-only tensor too, like the reference
         columnwise_data=_view(out.columnwise_data, (k, m // 2)),
         columnwise_scale_inv=_scale_view(out.columnwise_scale_inv, q, m, k, True),
         columnwise_amax=out.columnwise_amax[:1] if q.columnwise else None,
@@ -338,6 +358,13 @@ def nvfp4_dequantize_single(t: NVFP4Quantized, dtype: torch.dtype) -> torch.Tens
     if t.data is None:
         raise ValueError("NVFP4 dequantize needs the rowwise copy (the columnwise copy is transposed and packed)")
     m, k = t.data.shape[0], t.data.shape[1] * 2
+    from lpmoe.reference.nvfp4 import nvfp4_scale_shape
+    if m % 16 or k % 16:
+        raise ValueError(f"NVFP4 needs both dims divisible by 16, got ({m}, {k})")
+    _check_single_scale(t.scale_inv, t.data.dtype, torch.uint8, nvfp4_scale_shape, m, k, False,
+                        t.with_gemm_swizzled_scales, "NVFP4 dequantize")
+    if t.amax is None or t.amax.numel() < 1:
+        raise ValueError("NVFP4 dequantize needs the tensor's amax")
     out = torch.empty((m, k), dtype=dtype, device=t.data.device)
     if m * k:
         ext().nvfp4_dequantize(t.data.contiguous(), t.scale_inv.contiguous().view(torch.uint8).reshape(-1),

@@ -35,6 +35,8 @@ def _check_format_shape(quantizer, k: int) -> None:
         raise ValueError(f"FP8 block scaling needs the last dim K to be a multiple of 16, got K={k}")
     if isinstance(quantizer, NVFP4Quantizer) and k % 16:
         raise ValueError(f"NVFP4 needs the last dim K to be a multiple of 16, got K={k}")
+    if isinstance(quantizer, MXFP8Quantizer) and k % 16:
+        raise ValueError(f"MXFP8 needs the last dim K to be a multiple of 16, got K={k}")
 
 
 def quantize(x: torch.Tensor, quantizer: Quantizer):
@@ -58,6 +60,9 @@ def dequantize(t, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     from lpmoe.reference import dequantize_mxfp8, dequantize_nvfp4
     if dtype not in _HP:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    if isinstance(t, (Fp8BlockQuantized, MXFP8Quantized, NVFP4Quantized)) and \
+            t.data is None and t.columnwise_data is None:
+        raise ValueError("quantized tensor holds neither rowwise nor columnwise data")
     if isinstance(t, Fp8BlockQuantized):
         src = t.data if t.data is not None else t.columnwise_data
         if src is None:
@@ -200,6 +205,7 @@ def _group_quantize_reference(g: GroupedTensor, quantizer, output, noop_flag) ->
         out = output if output is not None else mx_ops.allocate(quantizer, g)
         if output is not None:
             mx_ops.check_output(output, quantizer, g)
+    _adopt_metadata(out, g)
     if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
         return out
     bufs = {name: getattr(out, name) for name in ("rowwise_data", "columnwise_data", "scale_inv",
@@ -229,5 +235,5 @@ def _group_dequantize_reference(grouped: GroupedTensor, dtype) -> GroupedTensor:
                                       grouped.rowwise_data is None, out)
     res = GroupedTensor(num_tensors=grouped.num_tensors, logical_shape=grouped.logical_shape, dtype=dtype,
                         rowwise_data=out, first_dims=grouped.first_dims, last_dims=grouped.last_dims,
-                        tensor_offsets=grouped.tensor_offsets, padded_row_offsets=grouped.padded_row_offsets)
+                        tensor_offsets=grouped.tensor_offsets, padded_row_offsets=grouped.padded_row_offsets, _trusted_offsets=True)
     return res

@@ -76,7 +76,8 @@ def _grouped(g: GroupedTensor, to_swizzled: bool) -> GroupedTensor:
                         quantizer=q.copy(swizzled_scales=to_swizzled), rowwise_data=g.rowwise_data,
                         columnwise_data=g.columnwise_data, amax=g.amax, columnwise_amax=g.columnwise_amax,
                         first_dims=g.first_dims, last_dims=g.last_dims, tensor_offsets=g.tensor_offsets,
-                        padded_row_offsets=g.padded_row_offsets, with_gemm_swizzled_scales=to_swizzled)
+                        padded_row_offsets=g.padded_row_offsets, with_gemm_swizzled_scales=to_swizzled,
+                        _trusted_offsets=True)
     for columnwise, name in ((False, "scale_inv"), (True, "columnwise_scale_inv")):
         buf = getattr(g, name)
         if buf is None:

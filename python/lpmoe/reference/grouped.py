@@ -50,7 +50,7 @@ def _member_buffers(res, q: Quantizer, m: int) -> dict:
     if isinstance(q, Float8BlockQuantizer) and res.columnwise_data is not None:
         bufs["columnwise_data"] = pad_fp8_block_columnwise(res.columnwise_data, m)
     if isinstance(q, NVFP4Quantizer):
-        bufs["amax"] = res.amax if q.rowwise else None
+        bufs["amax"] = res.amax if res.amax is not None else res.columnwise_amax
         bufs["columnwise_amax"] = res.columnwise_amax if q.columnwise else None
     return bufs
 
