@@ -8,6 +8,7 @@
 
 #include "common/cuda_utils.h"
 #include "common/numerics.cuh"
+#include "common/vec_io.cuh"
 #include "fp8_block/fp8_block.h"
 #include "grouped/row_tiles.cuh"
 
@@ -22,24 +23,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 8;
 constexpr int kRowsPerThread = 8;
-
-template <typename OType, int kN>
-__device__ __forceinline__ void store_vec(OType* p, const float (&v)[kN]) {
-  if constexpr (sizeof(OType) == 4) {
-#pragma unroll
-    for (int i = 0; i < kN / 4; ++i)
-      reinterpret_cast<float4*>(p)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kN / 8; ++i) {
-      uint4 raw;
-      OType* e = reinterpret_cast<OType*>(&raw);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) e[k] = from_float<OType>(v[8 * i + k]);
-      reinterpret_cast<uint4*>(p)[i] = raw;
-    }
-  }
-}
 
 template <typename OType, bool kE5M2, int kBlockDim, bool kColumnwise>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeArgs args) {

@@ -18,6 +18,8 @@
 #include "common/cuda_utils.h"
 #include "common/cp_async.cuh"
 #include "common/numerics.cuh"
+#include "common/persistent_grid.h"
+#include "common/vec_io.cuh"
 #include "fp8_block/fp8_block.h"
 #include "grouped/row_tiles.cuh"
 
@@ -33,24 +35,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 8;     // elements per thread per row
 constexpr int kRowsPerThread = 8;
-
-// Raw 8-element input vector kept in registers in the INPUT dtype (16 bytes
-// for bf16/fp16): half the registers of fp32 copies, so more CTAs fit per SM.
-template <typename IType>
-struct RawVec8 {
-  uint4 w[sizeof(IType) / 2];
-};
-
-template <typename IType>
-__device__ __forceinline__ void load_vec8(const IType* p, RawVec8<IType>& v) {
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) v.w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
-}
-
-template <typename IType>
-__device__ __forceinline__ float elem(const RawVec8<IType>& v, int e) {
-  return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
-}
 
 struct Smem {
   float red[kWarps][kTile];  // cross-warp column partials
@@ -138,13 +122,7 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const Til
     }
     if (args.out_col_data != nullptr) {
       float a[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        float m = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kRowsPerThread; ++r) m = amax_step(m, V(r, e));
-        a[e] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-      }
+      column_amax16<IType>(raw, a);
       if (lane < 16) {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) red[warp][c * kVec + e] = a[e];
@@ -287,8 +265,7 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const Quanti
     if (col_ok && row < ti.rows_valid) {
       load_vec8<IType>(in + (ti.row0 + row) * K + col0 + c * kVec, raw[r]);
     } else {
-#pragma unroll
-      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = make_uint4(0, 0, 0, 0);
+      zero_vec8<IType>(raw[r]);
     }
   }
   process_tile<IType, kE5M2, kBlockDim>(args, ti, j, tile_x, raw, sm);
@@ -374,13 +351,8 @@ template <typename IType, bool kE5M2>
 cudaError_t launch_persistent(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream) {
   auto kernel = quantize_persistent_kernel<IType, kE5M2, 1>;
   const int stage_bytes = kTile * kTile * static_cast<int>(sizeof(IType));
-  LPMOE_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stage_bytes));
-  int device = 0, sms = 0, per_sm = 0;
-  LPMOE_RETURN_IF_ERROR(cudaGetDevice(&device));
-  LPMOE_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  LPMOE_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, stage_bytes));
-  const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
-  const dim3 grid(static_cast<unsigned>(tiles < resident ? tiles : resident));
+  dim3 grid;
+  LPMOE_RETURN_IF_ERROR(persistent_grid(kernel, kThreads, stage_bytes, tiles, grid));
   kernel<<<grid, kThreads, stage_bytes, stream>>>(a);
   return cudaGetLastError();
 }

@@ -7,6 +7,7 @@
 #include "common/cuda_utils.h"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
+#include "common/vec_io.cuh"
 #include "mxfp8/member_tiles.cuh"
 #include "mxfp8/mxfp8.h"
 
@@ -17,20 +18,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 8;
 constexpr int kRows = 8;
-
-template <typename OType>
-__device__ __forceinline__ void store8(OType* p, const float (&v)[kVec]) {
-  if constexpr (sizeof(OType) == 4) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else {
-    uint4 raw;
-    OType* e = reinterpret_cast<OType*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) e[i] = from_float<OType>(v[i]);
-    *reinterpret_cast<uint4*>(p) = raw;
-  }
-}
 
 template <typename OType, bool kE5M2, bool kColumnwise>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeArgs args) {
@@ -67,7 +54,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeAr
     float v[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) v[e] = __fmul_rn(kColumnwise ? col_mult[e] : m, fp8_to_float<kE5M2>(b[e]));
-    store8<OType>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec, v);
+    store_vec<OType, kVec>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec, v);
   }
 }
 

@@ -10,6 +10,8 @@
 #include "common/cp_async.cuh"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
+#include "common/persistent_grid.h"
+#include "common/vec_io.cuh"
 #include "mxfp8/member_tiles.cuh"
 #include "mxfp8/mxfp8.h"
 
@@ -21,16 +23,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVec = 8;
 constexpr int kRows = 8;
-
-template <typename IType>
-struct RawVec8 {
-  uint4 w[sizeof(IType) / 2];
-};
-
-template <typename IType>
-__device__ __forceinline__ float elem(const RawVec8<IType>& v, int e) {
-  return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
-}
 
 // fl(1/fp8_max) computed as (float)(1.0 / max) (formats.md §0).
 template <bool kE5M2>
@@ -79,13 +71,7 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const MxT
 
   if (args.out_col_data != nullptr) {
     float a[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      float m = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) m = amax_step(m, V(r, e));
-      a[e] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-    }
+    column_amax16<IType>(raw, a);
     if (lane < 16) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) red[warp][c * kVec + e] = a[e];
@@ -187,13 +173,8 @@ template <typename IType, bool kE5M2>
 cudaError_t launch_kernel(const QuantizeArgs& a, cudaStream_t s) {
   auto kernel = quantize_kernel<IType, kE5M2>;
   const int stage_bytes = kTile * kTile * static_cast<int>(sizeof(IType));
-  LPMOE_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, stage_bytes));
-  int device = 0, sms = 0, per_sm = 0;
-  LPMOE_RETURN_IF_ERROR(cudaGetDevice(&device));
-  LPMOE_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  LPMOE_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, stage_bytes));
-  const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
-  const dim3 grid(static_cast<unsigned>(a.num_tiles < resident ? a.num_tiles : resident));
+  dim3 grid;
+  LPMOE_RETURN_IF_ERROR(persistent_grid(kernel, kThreads, stage_bytes, a.num_tiles, grid));
   kernel<<<grid, kThreads, stage_bytes, s>>>(a);
   return cudaGetLastError();
 }

@@ -12,6 +12,7 @@
 #include "common/cuda_utils.h"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
+#include "common/vec_io.cuh"
 #include "grouped/row_tiles.cuh"
 #include "nvfp4/nvfp4.h"
 
@@ -26,11 +27,6 @@ constexpr int kThreads = 256;
 constexpr int kVec = 8;
 constexpr int kRows = 8;
 constexpr float kFltMax = 3.402823466e38f;
-
-template <typename IType>
-struct RawVec8 {
-  uint4 w[sizeof(IType) / 2];
-};
 
 template <typename IType>
 __device__ __forceinline__ void load_tile(const QuantizeArgs& a, const TileInfo& ti, int64_t col0, int cols_valid,
@@ -48,11 +44,6 @@ __device__ __forceinline__ void load_tile(const QuantizeArgs& a, const TileInfo&
       raw[r].w[i] = ok ? __ldg(reinterpret_cast<const uint4*>(in + (ti.row0 + row) * a.cols + col0 + c * kVec) + i)
                        : make_uint4(0, 0, 0, 0);
   }
-}
-
-template <typename IType>
-__device__ __forceinline__ float elem(const RawVec8<IType>& v, int e) {
-  return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
 }
 
 __global__ void zero_amax_kernel(float* amax, float* col_amax, int n, const float* noop) {

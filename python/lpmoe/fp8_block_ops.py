@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from lpmoe._ext import ext
+from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles
 from lpmoe.grouped_layout import capacity_sizes, cdiv
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.quantizers import Float8BlockQuantizer
@@ -21,24 +22,6 @@ _BUFS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv")
 def _check_k(k: int) -> None:
     if k % 16:
         raise ValueError(f"FP8 block scaling needs the last dim K to be a multiple of 16, got K={k}")
-
-
-def _check_noop(noop_flag: Optional[torch.Tensor], device: torch.device) -> None:
-    if noop_flag is None:
-        return
-    if not isinstance(noop_flag, torch.Tensor) or noop_flag.dtype != torch.float32 or noop_flag.numel() != 1:
-        raise TypeError("noop_flag must be a float32 tensor with one element")
-    if noop_flag.device != device:
-        raise ValueError(f"noop_flag must be on {device}, got {noop_flag.device}")
-
-
-def max_row_tiles(g: GroupedTensor) -> int:
-    """Grid bound: 128-row tiles in pad128 space over all members."""
-    rows = g.logical_shape[0]
-    n = g.num_tensors
-    if g.shape_kind is ShapeKind.SAME_SHAPE:
-        return n * cdiv(rows // n, 128)
-    return cdiv(rows, 128) + n
 
 
 def check_output(output: GroupedTensor, q: Float8BlockQuantizer, g: GroupedTensor) -> None:
@@ -79,25 +62,18 @@ def _alloc(q: Float8BlockQuantizer, g: GroupedTensor) -> GroupedTensor:
         first_dims=g.first_dims, tensor_offsets=g.tensor_offsets, padded_row_offsets=g.padded_row_offsets, _trusted_offsets=True)
 
 
-def _adopt(out: GroupedTensor, g: GroupedTensor) -> None:
-    out.first_dims, out.last_dims = g.first_dims, g.last_dims
-    out.tensor_offsets, out.padded_row_offsets = g.tensor_offsets, g.padded_row_offsets
-    out.offsets_status = g.offsets_status
-    out.logical_shape, out.num_tensors, out.dtype = g.logical_shape, g.num_tensors, g.dtype
-
-
 def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None, output=None,
                    with_dbias: bool) -> Tuple[GroupedTensor, Optional[torch.Tensor]]:
     rows, k = g.logical_shape
     _check_k(k)
-    _check_noop(noop_flag, g.device)
+    check_noop(noop_flag, g.device)
     x = g.rowwise_data
     if x.data_ptr() % 16:
         raise ValueError("x must be 16-byte aligned")
     if output is not None:
         check_output(output, q, g)
         out = output
-        _adopt(out, g)
+        adopt_metadata(out, g)
     else:
         out = _alloc(q, g)
     tiles = max_row_tiles(g)

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from lpmoe._ext import ext
+from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles
 from lpmoe.grouped_layout import capacity_sizes, cdiv, rup
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.quantizers import MXFP8Quantizer, NVFP4Quantizer
@@ -140,21 +141,6 @@ def _sizes(q, g: GroupedTensor) -> dict:
     return s
 
 
-def adopt_metadata(out: GroupedTensor, g: GroupedTensor) -> None:
-    out.first_dims, out.last_dims = g.first_dims, g.last_dims
-    out.tensor_offsets, out.padded_row_offsets = g.tensor_offsets, g.padded_row_offsets
-    out.offsets_status = g.offsets_status
-    out.logical_shape, out.num_tensors, out.dtype = g.logical_shape, g.num_tensors, g.dtype
-
-
-def max_row_tiles(g: GroupedTensor) -> int:
-    rows = g.logical_shape[0]
-    n = g.num_tensors
-    if g.shape_kind is ShapeKind.SAME_SHAPE:
-        return n * cdiv(rows // n, 128)
-    return cdiv(rows, 128) + n
-
-
 def _members(g: GroupedTensor) -> list:
     """Binding arguments that locate the members: (padded_row_offsets,
     num_tensors, by_elements, offsets, first_dims, last_dims, common_first,
@@ -172,24 +158,19 @@ def _num_tiles(g: GroupedTensor) -> int:
     return max_row_tiles(g) * cdiv(cols, 128)
 
 
-def _check_noop(noop_flag, device) -> None:
-    if noop_flag is None:
-        return
-    if not isinstance(noop_flag, torch.Tensor) or noop_flag.dtype != torch.float32 or noop_flag.numel() != 1:
-        raise TypeError("noop_flag must be a float32 tensor with one element")
-    if noop_flag.device != device:
-        raise ValueError(f"noop_flag must be on {device}, got {noop_flag.device}")
+def _prepare_output(q, g: GroupedTensor, noop_flag, output) -> GroupedTensor:
+    """Validate noop/output= and return the buffers the kernel writes."""
+    check_noop(noop_flag, g.device)
+    if output is None:
+        return allocate(q, g)
+    check_output(output, q, g)
+    adopt_metadata(output, g)
+    return output
 
 
 # ----------------------------------------------------------------- MXFP8 GPU
 def mxfp8_group_quantize(g: GroupedTensor, q: MXFP8Quantizer, noop_flag=None, output=None) -> GroupedTensor:
-    _check_noop(noop_flag, g.device)
-    if output is not None:
-        check_output(output, q, g)
-        adopt_metadata(output, g)
-        out = output
-    else:
-        out = allocate(q, g)
+    out = _prepare_output(q, g, noop_flag, output)
     x = g.rowwise_data
     rows, cols = g.logical_shape
     if x.data_ptr() % 16:
@@ -221,13 +202,7 @@ def mxfp8_group_dequantize(grouped: GroupedTensor, dtype: torch.dtype) -> Groupe
 
 # ----------------------------------------------------------------- NVFP4 GPU
 def nvfp4_group_quantize(g: GroupedTensor, q: NVFP4Quantizer, noop_flag=None, output=None) -> GroupedTensor:
-    _check_noop(noop_flag, g.device)
-    if output is not None:
-        check_output(output, q, g)
-        adopt_metadata(output, g)
-        out = output
-    else:
-        out = allocate(q, g)
+    out = _prepare_output(q, g, noop_flag, output)
     rows, cols = g.logical_shape
     x = g.rowwise_data.view(rows, cols)
     if x.data_ptr() % 16:

@@ -11,6 +11,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from lpmoe import fp8_block_ops, mx_ops
+from lpmoe._op_utils import adopt_metadata
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from lpmoe.reference import grouped as ref_grouped
@@ -205,21 +206,14 @@ def _group_quantize_reference(g: GroupedTensor, quantizer, output, noop_flag) ->
         out = output if output is not None else mx_ops.allocate(quantizer, g)
         if output is not None:
             mx_ops.check_output(output, quantizer, g)
-    _adopt_metadata(out, g)
+    adopt_metadata(out, g)
     if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
         return out
     bufs = {name: getattr(out, name) for name in ("rowwise_data", "columnwise_data", "scale_inv",
                                                   "columnwise_scale_inv", "amax", "columnwise_amax")}
     ref_grouped.group_quantize_into(g.split(), quantizer, bufs)
-    _adopt_metadata(out, g)
+    adopt_metadata(out, g)
     return out
-
-
-def _adopt_metadata(out: GroupedTensor, g: GroupedTensor) -> None:
-    out.first_dims, out.last_dims = g.first_dims, g.last_dims
-    out.tensor_offsets, out.padded_row_offsets = g.tensor_offsets, g.padded_row_offsets
-    out.offsets_status = g.offsets_status
-    out.logical_shape, out.num_tensors, out.dtype = g.logical_shape, g.num_tensors, g.dtype
 
 
 def _dbias_reference(g: GroupedTensor) -> torch.Tensor:
