@@ -287,3 +287,26 @@ def test_gpu_validation_of_buffers():
     o.rowwise_data = torch.empty(256 * 128 + 1, dtype=torch.float8_e4m3fn, device="cuda")[1:]
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         lpmoe.group_quantize(x, fq, 2, output=o)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_swizzle_grouped_no_sync_and_capturable(fmt):
+    make = (lambda s: MXFP8Quantizer(E4M3, swizzled_scales=s)) if fmt == "mxfp8" else \
+        (lambda s: NVFP4Quantizer(swizzled_scales=s))
+    x = _rand(512 * 96).view(512, 96).cuda()
+    fd = torch.tensor([0, 176, 16, 320], device="cuda")
+    compact = lpmoe.group_quantize(x, make(False), 4, first_dims=fd)
+    direct = lpmoe.group_quantize(x, make(True), 4, first_dims=fd)
+    lpmoe.swizzle_scales(compact)  # warm-up outside capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            swz = lpmoe.swizzle_scales(compact)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    _compare_members(direct, swz, ("scale_inv", "columnwise_scale_inv"))
