@@ -370,18 +370,18 @@ class GroupedTensor:
         device = torch.device(device)
         sizes = capacity_sizes(quantizer, num_tensors, rows, k, uniform=first_dims is None)
         buf_dtype = _buffer_dtypes(quantizer, dtype)
-        bufs = {name: (torch.empty(size, dtype=buf_dtype[name], device=device) if size or name in
-                       ("rowwise_data",) and quantizer is None else None)
-                for name, size in sizes.items()}
-        if quantizer is not None:
-            if not quantizer.rowwise:
-                bufs["rowwise_data"] = bufs["scale_inv"] = None
-            if not quantizer.columnwise:
-                bufs["columnwise_data"] = bufs["columnwise_scale_inv"] = None
-            if quantizer.rowwise and bufs["rowwise_data"] is None:
-                bufs["rowwise_data"] = torch.empty(0, dtype=buf_dtype["rowwise_data"], device=device)
-            if quantizer.columnwise and bufs["columnwise_data"] is None:
-                bufs["columnwise_data"] = torch.empty(0, dtype=buf_dtype["columnwise_data"], device=device)
+        bufs = {}
+        for name, size in sizes.items():
+            if quantizer is None:
+                wanted = name == "rowwise_data"
+            elif name in ("rowwise_data", "scale_inv"):
+                wanted = quantizer.rowwise
+            elif name in ("columnwise_data", "columnwise_scale_inv"):
+                wanted = quantizer.columnwise
+            else:  # amax buffers exist only where the format sizes them
+                wanted = size > 0
+            # Buffers a format produces exist even when empty, so shapes stay defined.
+            bufs[name] = torch.empty(size, dtype=buf_dtype[name], device=device) if wanted else None
         swz = bool(getattr(quantizer, "swizzled_scales", False))
         return cls(num_tensors=num_tensors, logical_shape=(rows, k), dtype=dtype, quantizer=quantizer,
                    first_dims=first_dims, with_gemm_swizzled_scales=swz, **bufs)
