@@ -51,6 +51,17 @@ inline void check_buffer(const at::Tensor& t, const at::Tensor& ref, const char*
               min_numel);
 }
 
+// Inputs and output of a dequantize launch: quantized data of `data_bytes`
+// bytes, scales of `scale_elem_size`-byte elements, out of `numel` elements,
+// all on one device, contiguous and 16-byte aligned.
+inline void check_dequantize_buffers(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& out,
+                                     int64_t scale_elem_size, int64_t data_bytes, int64_t numel) {
+  check_cuda(data, "data");
+  check_buffer(data, data, "data", 1, data_bytes);
+  check_buffer(scale, data, "scale_inv", scale_elem_size, 0);
+  check_buffer(out, data, "out", out.element_size(), numel);
+}
+
 inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
 
 inline void* opt_ptr(const c10::optional<at::Tensor>& t, const at::Tensor& ref, const char* name) {

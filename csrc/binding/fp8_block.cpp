@@ -84,14 +84,8 @@ void fp8_block_dequantize(const at::Tensor& data, const at::Tensor& scale, bool 
                           bool pad_columnwise_tokens, bool e5m2, int64_t block_dim, int64_t rows, int64_t cols,
                           const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors,
                           const at::Tensor& out, int64_t max_row_tiles) {
-  check_cuda(data, "data");
-  check_contiguous(data, "data");
-  check_same_device(scale, data, "scale_inv", "data");
-  check_same_device(out, data, "out", "data");
   TORCH_CHECK(scale.scalar_type() == at::kFloat, "lpmoe: FP8 block scale_inv must be float32");
-  check_buffer(data, data, "data", 1, rows * cols);
-  check_buffer(scale, data, "scale_inv", 4, 0);
-  check_buffer(out, data, "out", out.element_size(), rows * cols);
+  check_dequantize_buffers(data, scale, out, 4, rows * cols, rows * cols);
   c10::cuda::CUDAGuard guard(data.device());
   fp8_block::DequantizeArgs a;
   a.data = data.data_ptr();

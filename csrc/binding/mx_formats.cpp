@@ -86,14 +86,8 @@ void mxfp8_dequantize(const at::Tensor& data, const at::Tensor& scale, bool colu
                       const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& first_dims,
                       const c10::optional<at::Tensor>& last_dims, int64_t common_first, int64_t common_last,
                       int64_t rows, int64_t cols, const at::Tensor& out, int64_t num_tiles) {
-  check_cuda(data, "data");
-  check_contiguous(data, "data");
-  check_same_device(scale, data, "scale_inv", "data");
-  check_same_device(out, data, "out", "data");
   TORCH_CHECK(scale.scalar_type() == at::kByte, "lpmoe: MXFP8 scales must be uint8 (E8M0)");
-  check_buffer(data, data, "data", 1, rows * cols);
-  check_buffer(scale, data, "scale_inv", 1, 0);
-  check_buffer(out, data, "out", out.element_size(), rows * cols);
+  check_dequantize_buffers(data, scale, out, 1, rows * cols, rows * cols);
   c10::cuda::CUDAGuard guard(data.device());
   mxfp8::DequantizeArgs a;
   a.data = data.data_ptr();
@@ -158,14 +152,9 @@ void nvfp4_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& pa
 void nvfp4_dequantize(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& amax, bool swizzled,
                       const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors, int64_t rows,
                       int64_t cols, const at::Tensor& out, int64_t max_row_tiles) {
-  check_cuda(data, "data");
-  check_same_device(scale, data, "scale_inv", "data");
   check_same_device(amax, data, "amax", "data");
-  check_same_device(out, data, "out", "data");
   TORCH_CHECK(amax.scalar_type() == at::kFloat && amax.numel() >= num_tensors, "lpmoe: amax must be fp32 (N,)");
-  check_buffer(data, data, "data", 1, rows * cols / 2);
-  check_buffer(scale, data, "scale_inv", 1, 0);
-  check_buffer(out, data, "out", out.element_size(), rows * cols);
+  check_dequantize_buffers(data, scale, out, 1, rows * cols / 2, rows * cols);
   c10::cuda::CUDAGuard guard(data.device());
   nvfp4::DequantizeArgs a;
   a.data = static_cast<const uint8_t*>(data.data_ptr());

@@ -157,14 +157,12 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
     const int64_t kp = round_up<int64_t>(K, kTile);
     const int64_t scale_base = kp * (ti.pad64_start / 16);
     const int64_t mb = (ti.local_tile * kTile + g * kRows) / 16;
+    float bamax[kVec];  // 16-token block amax per column: row groups g, g^1
+    column_amax16<IType>(raw, bamax);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      float bamax = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) bamax = amax_step(bamax, V(r, e));
-      bamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 16));
       float enc;
-      const uint8_t sf = block_scale(bamax, s, enc);
+      const uint8_t sf = block_scale(bamax[e], s, enc);
       uint32_t packed = 0;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) packed |= e2m1_encode(__fmul_rn(V(r, e), enc)) << (4 * r);
