@@ -3,6 +3,7 @@
 # and a short summary table printed last.
 #
 #   bash tools/gpu_check.sh [--no-bench] [--bench-only]
+#   LPMOE_TESTS="tests/x.py" LPMOE_BENCH="benchmarks/bench_y.py" narrow a run.
 #
 # A build from an earlier run can be reused: the script copies the built
 # extension and a hash of the sources to $OUT/ (when OUT is set); put them in
@@ -23,6 +24,11 @@ for a in "$@"; do
   esac
 done
 summary=()
+# CUTLASS headers (nvidia-cutlass) travel as a wheel in .whl/ (no network there).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
 
 src_hash=$( (cat setup.py; find csrc -type f | sort | xargs cat) | sha256sum | cut -c1-16)
 t0=$(date +%s)
@@ -44,7 +50,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 rc=0
 if [ "$RUN_TESTS" = 1 ]; then
-  PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider tests --maxfail=25 2>&1 | tee "$OUT/pytest.log" | tail -25
+  PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider ${LPMOE_TESTS:-tests} --maxfail=25 2>&1 | tee "$OUT/pytest.log" | tail -25
   rc=${PIPESTATUS[0]}
   summary+=("tests|$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/pytest.log" | tail -1)")
 fi
@@ -53,7 +59,7 @@ if [ "$RUN_TESTS" = 1 ]; then
   summary+=("demo (examples/demo.py)|exit ${PIPESTATUS[0]}")
 fi
 if [ "$RUN_BENCH" = 1 ]; then
-  for b in benchmarks/bench_*.py; do
+  for b in ${LPMOE_BENCH:-benchmarks/bench_*.py}; do
     [ -f "$b" ] || continue
     name=$(basename "$b" .py)
     PYTHONPATH=python:benchmarks timeout 300 python3 "$b" --summary "$OUT/$name.summary" 2>&1 | tee "$OUT/$name.log" | tail -40

@@ -20,4 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_dequantize", &lpmoe::binding::mxfp8_dequantize);
   m.def("nvfp4_quantize", &lpmoe::binding::nvfp4_quantize);
   m.def("nvfp4_dequantize", &lpmoe::binding::nvfp4_dequantize);
+  m.def("grouped_gemm_setup_bytes", &lpmoe::binding::grouped_gemm_setup_bytes);
+  m.def("grouped_gemm_cutlass", &lpmoe::binding::grouped_gemm_cutlass);
+  m.def("grouped_gemm_cublas", &lpmoe::binding::grouped_gemm_cublas);
+  m.def("grouped_row_epilogue", &lpmoe::binding::grouped_row_epilogue);
 }

@@ -57,5 +57,20 @@ void nvfp4_dequantize(const at::Tensor& data, const at::Tensor& scale, const at:
                       const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors, int64_t rows,
                       int64_t cols, const at::Tensor& out, int64_t max_row_tiles);
 
+// Grouped GEMM (csrc/gemm); see lpmoe/gemm.
+int64_t grouped_gemm_setup_bytes(int64_t num_groups);
+void grouped_gemm_cutlass(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
+                          const at::Tensor& b, const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems,
+                          const c10::optional<at::Tensor>& b_scale, int64_t b_scale_member_elems, const at::Tensor& d,
+                          const at::Tensor& padded_row_offsets, int64_t num_groups, int64_t n, int64_t k,
+                          double beta, const at::Tensor& setup, const at::Tensor& workspace);
+void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
+                         const std::vector<int64_t>& b_addrs, const std::vector<int64_t>& b_scale_addrs,
+                         const c10::optional<at::Tensor>& b_token, const c10::optional<at::Tensor>& b_token_scale,
+                         const at::Tensor& d, const std::vector<int64_t>& splits, int64_t n, int64_t k, double beta,
+                         const at::Tensor& workspace);
+void grouped_row_epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
+                          const at::Tensor& padded_row_offsets, int64_t num_groups, bool zero_tail);
+
 }  // namespace binding
 }  // namespace lpmoe

@@ -22,3 +22,4 @@ from lpmoe.quantize import (  # noqa: F401,E402
     quantize,
 )
 from lpmoe.swizzle import swizzle_scales, unswizzle_scales  # noqa: F401,E402
+from lpmoe.gemm import grouped_gemm  # noqa: F401,E402

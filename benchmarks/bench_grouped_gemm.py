@@ -1,0 +1,145 @@
+"""Grouped GEMM throughput (TFLOP/s) on MoE expert shapes, side by side:
+
+  fp8 grp    lpmoe grouped backend, FP8 block scaling (1x128 x 128x128; wgrad 1x128 x 1x128)
+  fp8 cublas lpmoe cuBLASLt per-expert loop, same FP8 block operands (host splits)
+  torch fp8  torch._scaled_grouped_mm, FP8 rowwise scales (fprop only: its closest analogue)
+  bf16 grp   lpmoe grouped backend, bf16
+  torch bf16 torch._grouped_mm, bf16
+
+FLOPs = 2 * sum(M_t) * N * K per product.  Quantization is not timed (the
+operands are quantized once).  Routing: uniform, or skewed (half of the
+tokens to one expert, the rest spread evenly), all splits multiples of 128
+(torch's grouped kernels need 16-aligned groups).
+"""
+from __future__ import annotations
+
+import torch
+
+import lpmoe
+from lpmoe import Float8BlockQuantizer, GroupedTensor
+
+from _common import median_ms, parser, write_summary
+
+Q1 = Float8BlockQuantizer(block_dim=1)
+Q2 = Float8BlockQuantizer(block_dim=2)
+
+# (name, K = in_features, N = out_features)
+SHAPES = [
+    ("dsv3-up", 7168, 4096),
+    ("dsv3-down", 2048, 7168),
+    ("qwen3-up", 2048, 1536),
+    ("qwen3-down", 768, 2048),
+    ("mixtral-up", 4096, 14336),
+]
+
+
+def splits_for(g: int, tokens: int, skewed: bool):
+    if not skewed:
+        return [tokens // g] * g
+    big = tokens // 2 // 128 * 128
+    rest = (tokens - big) // (g - 1) // 128 * 128
+    s = [big] + [rest] * (g - 1)
+    s[0] += tokens - sum(s)
+    return s
+
+
+def grouped(t, splits):
+    m = torch.tensor(splits, device="cuda")
+    return GroupedTensor(num_tensors=len(splits), logical_shape=tuple(t.shape), dtype=t.dtype,
+                         rowwise_data=t.view(-1), first_dims=m)
+
+
+def tflops(flops, ms):
+    return flops / ms / 1e9 if ms == ms else float("nan")
+
+
+def safe(fn):
+    try:
+        fn()
+        return median_ms(fn, warmup=3, iters=7, reps=5)
+    except Exception as exc:  # a baseline that does not support a case
+        print(f"    (baseline skipped: {type(exc).__name__}: {str(exc)[:100]})")
+        return float("nan")
+
+
+def run_case(name, k, n, g, tokens, skewed, kinds):
+    splits = splits_for(g, tokens, skewed)
+    rows = sum(splits)
+    first = torch.tensor(splits, device="cuda")
+    offs = torch.cumsum(first, 0).to(torch.int32)
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    dy = torch.randn(rows, n, device="cuda").bfloat16()
+    w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
+    xq = lpmoe.group_quantize(x, Q1, num_tensors=g, first_dims=first)
+    dyq = lpmoe.group_quantize(dy, Q1, num_tensors=g, first_dims=first)
+    wq = lpmoe.group_quantize(w.view(g * n, k), Q2, num_tensors=g)
+    xg, dyg = grouped(x, splits), grouped(dy, splits)
+    flops = 2.0 * rows * n * k
+    out = {}
+    for kind in kinds:
+        fa, fb = {"fprop": (xq, wq), "dgrad": (dyq, wq), "wgrad": (dyq, xq)}[kind]
+        ba, bb = {"fprop": (xg, w), "dgrad": (dyg, w), "wgrad": (dyg, xg)}[kind]
+        res = {
+            "fp8 grp": safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="grouped")),
+            "fp8 cublas": safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="cublas", m_splits=splits)),
+            "bf16 grp": safe(lambda: lpmoe.grouped_gemm(ba, bb, kind=kind, backend="grouped")),
+        }
+        if kind == "fprop":
+            x8 = x.to(torch.float8_e4m3fn)
+            w8 = w.to(torch.float8_e4m3fn)
+            sa = torch.ones(rows, device="cuda")
+            sb = torch.ones(g, n, device="cuda")
+            res["torch fp8"] = safe(lambda: torch._scaled_grouped_mm(x8, w8.transpose(-2, -1), sa, sb, offs=offs,
+                                                                     out_dtype=torch.bfloat16))
+            res["torch bf16"] = safe(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+        elif kind == "dgrad":
+            res["torch bf16"] = safe(lambda: torch._grouped_mm(dy, w, offs=offs))
+        else:
+            res["torch bf16"] = safe(lambda: torch._grouped_mm(dy.t(), x, offs=offs))
+        tf = {key: tflops(flops, ms) for key, ms in res.items()}
+        out[kind] = tf
+        route = "skew" if skewed else "unif"
+        cells = "  ".join(f"{key} {v:7.1f}" for key, v in tf.items())
+        ratio_fp8 = tf["fp8 grp"] / tf["fp8 cublas"]
+        ratio_bf16 = tf["bf16 grp"] / tf["torch bf16"]
+        print(f"{name:11s} g={g:2d} tok={tokens:6d} {route} {kind:5s} | {cells} | fp8 grp/cublas {ratio_fp8:5.2f} "
+              f"bf16 grp/torch {ratio_bf16:5.2f}", flush=True)
+    return out
+
+
+def main():
+    args = parser(__doc__).parse_args()
+    torch.manual_seed(0)
+    print(f"device {torch.cuda.get_device_name()}  (TFLOP/s; median of 7 samples x 5 calls)")
+    rows = []
+    cases = [("dsv3-up", 8, 32768, False), ("dsv3-up", 8, 32768, True), ("dsv3-down", 8, 32768, False),
+             ("qwen3-up", 32, 16384, False), ("qwen3-down", 64, 65536, True), ("mixtral-up", 8, 16384, False),
+             ("dsv3-up", 32, 65536, False), ("qwen3-up", 64, 4096, False)]
+    if args.quick:
+        cases = cases[:2]
+    # the anchor case of the issue: 8 groups x 4096 tokens, K 7168, N 4096 (fprop)
+    anchor = run_case("dsv3-up", 7168, 4096, 8, 8 * 4096, False, ["fprop"])
+    rows.append(("gemm anchor 8x4096 K7168 N4096 fprop fp8 grp TF",
+                 f"{anchor['fprop']['fp8 grp']:.0f} (cublas loop {anchor['fprop']['fp8 cublas']:.0f})"))
+    worst_fp8, worst_bf16 = [], []
+    for name, g, tokens, skewed in cases:
+        k, n = next((k, n) for s, k, n in SHAPES if s == name)
+        res = run_case(name, k, n, g, tokens, skewed, ["fprop", "dgrad", "wgrad"])
+        for kind, tf in res.items():
+            worst_fp8.append((tf["fp8 grp"] / tf["fp8 cublas"], f"{name} g{g} {kind}"))
+            worst_bf16.append((tf["bf16 grp"] / tf["torch bf16"], f"{name} g{g} {kind}"))
+    worst_fp8 = [w for w in worst_fp8 if w[0] == w[0]]
+    worst_bf16 = [w for w in worst_bf16 if w[0] == w[0]]
+    if worst_fp8:
+        lo = min(worst_fp8)
+        rows.append(("gemm fp8 grp/cublas min (median)",
+                     f"{lo[0]:.2f} at {lo[1]} ({sorted(r for r, _ in worst_fp8)[len(worst_fp8) // 2]:.2f})"))
+    if worst_bf16:
+        lo = min(worst_bf16)
+        rows.append(("gemm bf16 grp/torch min (median)",
+                     f"{lo[0]:.2f} at {lo[1]} ({sorted(r for r, _ in worst_bf16)[len(worst_bf16) // 2]:.2f})"))
+    write_summary(args.summary, rows)
+
+
+if __name__ == "__main__":
+    main()

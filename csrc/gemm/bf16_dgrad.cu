@@ -1,0 +1,4 @@
+// bf16 grouped dgrad (one CUTLASS instantiation; see gemm_16bit.cuh).
+#include "gemm/gemm_16bit.cuh"
+
+LPMOE_DEFINE_GROUPED_16BIT(grouped_gemm_bf16_dgrad, cutlass::bfloat16_t, lpmoe::gemm::GemmKind::kDgrad)

@@ -1,0 +1,4 @@
+// fp16 grouped wgrad (one CUTLASS instantiation; see gemm_16bit.cuh).
+#include "gemm/gemm_16bit.cuh"
+
+LPMOE_DEFINE_GROUPED_16BIT(grouped_gemm_fp16_wgrad, cutlass::half_t, lpmoe::gemm::GemmKind::kWgrad)

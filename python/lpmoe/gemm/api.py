@@ -1,0 +1,320 @@
+"""lpmoe.grouped_gemm: the three grouped products of an MoE layer.
+
+Backends
+--------
+``"grouped"``  lpmoe's CUTLASS sm_90 pointer-array kernels.  Group sizes are
+    read on the GPU (the operands' device row prefix sums); a device kernel
+    writes the per-group pointers, shapes and strides into a persistent setup
+    buffer, so a call never syncs with the host and can be captured in a CUDA
+    graph and replayed with different routing.  bf16/fp16 and FP8 block
+    scaling (E4M3 operands), any group sizes including 0.
+``"cublas"``   one cuBLASLt matmul per non-empty group (VEC128_32F x
+    BLK128x128_32F scaling for fprop/dgrad, VEC128 x VEC128 for wgrad).  It
+    needs the split sizes on the host: pass ``m_splits`` (a list), otherwise
+    they are read from the GPU (a host sync).  FP8 block scaling always runs
+    with split accumulation (fp32 promotion): cuBLASLt has no fast-accumulation
+    algorithm for block scaling, so no caller setting can change it.  cuBLASLt
+    needs FP8 group sizes that are multiples of 4.
+``"auto"``     the grouped backend whenever it supports the call; otherwise
+    cuBLASLt when split sizes are on the host, else a clear error (never a
+    silent host sync).  Measured on H100 (benchmarks/bench_grouped_gemm.py):
+    the grouped kernels match or beat the cuBLASLt loop, see docs/perf-notes.md.
+
+Both backends write only the first ``sum(m_splits)`` rows of a caller's
+``out``; a fresh output has its rows past the sum zeroed.  Two grouped GEMMs
+of the same workspace slot must not run concurrently on different streams
+(see lpmoe.gemm.workspaces).  Not checked without a host sync (documented,
+graph-safe): that the device splits of wgrad's two operands are equal, and
+that per-member sizes fit the buffers (the offsets kernel truncates members
+at capacity, so kernels never go out of bounds).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from lpmoe.gemm.operands import GemmOperands, host_splits, parse_operands
+from lpmoe.gemm.reference import reference_grouped_gemm
+from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace, slot_for_kind
+
+__all__ = ["grouped_gemm", "grouped_backend_support"]
+
+_BACKENDS = ("auto", "grouped", "cublas")
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FMT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 3}
+_KIND = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+_ptr_tables: Dict[Tuple[int, ...], torch.Tensor] = {}
+
+#: counts of backend launches, for tests that prove which path ran
+CALLS = {"grouped": 0, "cublas": 0, "reference": 0}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rup(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def _out_cols(ops: GemmOperands) -> int:
+    return ops.n if ops.kind == "fprop" else ops.k
+
+
+def _check_out(ops: GemmOperands, out, out_dtype, accumulate: bool):
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if accumulate and ops.kind != "wgrad":
+        raise ValueError("accumulate=True is for kind='wgrad' (adds into an existing weight-gradient buffer)")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs `out` (the buffer to add into)")
+    shape = (ops.num_groups, ops.n, ops.k) if ops.kind == "wgrad" else (ops.rows, _out_cols(ops))
+    if out is None:
+        return None, out_dtype or ops.dtype, shape
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"`out` must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"`out` must have shape {shape} for kind={ops.kind!r}, got {tuple(out.shape)}")
+    if out.dtype not in _OUT_DTYPES:
+        raise TypeError(f"`out` must be bf16, fp16 or fp32, got {out.dtype}")
+    if out_dtype is not None and out_dtype != out.dtype:
+        raise ValueError(f"out_dtype={out_dtype} disagrees with out.dtype={out.dtype}")
+    if out.device != ops.device:
+        raise ValueError(f"`out` is on {out.device} but the operands are on {ops.device}")
+    if not out.is_contiguous():
+        raise ValueError("`out` must be contiguous")
+    return out, out.dtype, shape
+
+
+def _check_bias(ops: GemmOperands, bias, dtype):
+    if bias is None:
+        return None
+    if ops.kind != "fprop":
+        raise ValueError("bias is only supported for kind='fprop'")
+    if isinstance(bias, (list, tuple)):
+        if len(bias) != ops.num_groups:
+            raise ValueError(f"bias list has {len(bias)} entries, expected {ops.num_groups}")
+        bias = torch.stack([b.reshape(-1) for b in bias])
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (ops.num_groups, ops.n):
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be (G, N) = {(ops.num_groups, ops.n)} or a list of (N,), got {got}")
+    if bias.device != ops.device:
+        raise ValueError(f"bias is on {bias.device} but the operands are on {ops.device}")
+    return bias.to(dtype).contiguous()
+
+
+def grouped_backend_support(ops: GemmOperands, out_dtype: torch.dtype) -> Optional[str]:
+    """None if the grouped backend runs this call, else the reason it cannot."""
+    if ops.device.type != "cuda":
+        return "operands are not on a CUDA device"
+    if torch.cuda.get_device_capability(ops.device)[0] != 9:
+        return "the grouped kernels are built for sm_90 (Hopper)"
+    if ops.n % 16 or ops.k % 16:
+        return f"N and K must be multiples of 16 (got N={ops.n}, K={ops.k})"
+    if ops.fp8:
+        dts = {ops.a.rowwise_data.dtype if ops.kind != "wgrad" else ops.a.columnwise_data.dtype}
+        b = ops.b_grouped
+        dts.add(b.columnwise_data.dtype if (ops.kind != "fprop") else b.rowwise_data.dtype)
+        if dts != {torch.float8_e4m3fn}:
+            return "the grouped FP8 kernels take E4M3 operands (E5M2 gradients: use backend='cublas')"
+        native = torch.bfloat16
+    else:
+        if ops.dtype not in (torch.bfloat16, torch.float16):
+            return f"the grouped kernels take bf16/fp16 operands, got {ops.dtype}"
+        native = ops.dtype
+    if ops.kind != "wgrad" and out_dtype != native:
+        return f"the grouped {ops.kind} writes {native} (asked for {out_dtype}); use backend='cublas'"
+    return None
+
+
+def grouped_gemm(a, b, *, kind: str, out: Optional[torch.Tensor] = None, accumulate: bool = False,
+                 bias=None, out_dtype: Optional[torch.dtype] = None, backend: str = "auto",
+                 m_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Grouped products of an MoE layer (member t has M_t tokens):
+
+    * ``"fprop"``: out_t (M_t x N) = a_t (M_t x K) . b_t (N x K)^T (+ bias_t);
+      ``a`` tokens, ``b`` the weights.
+    * ``"dgrad"``: out_t (M_t x K) = a_t (M_t x N) . b_t (N x K).
+    * ``"wgrad"``: out_t (N x K) = a_t (M_t x N)^T . b_t (M_t x K), both grouped
+      by tokens; ``accumulate=True`` adds into ``out`` (main_grad style).
+
+    Args:
+        a: token-grouped :class:`lpmoe.GroupedTensor` (same-shape or
+            varying-first), bf16/fp16/fp32 or FP8 block scaling (1x128).
+        b: weights as a same-shape GroupedTensor (FP8: 128x128), a (G, N, K)
+            tensor or a list of G (N, K) tensors; for wgrad a token-grouped
+            GroupedTensor with the same splits as ``a``.  FP8 roles: fprop
+            reads rowwise a and W, dgrad rowwise dy and the columnwise
+            (transposed) W, wgrad the columnwise copies of dy and x.
+        out: optional output ((rows, cols), or (G, N, K) for wgrad).
+        bias: fprop only, (G, N) or a list of (N,) tensors.
+        out_dtype: output dtype when ``out`` is None (default: the operands'
+            high-precision dtype).
+        backend: "auto", "grouped" or "cublas" (see module docs).
+        m_splits: optional host copy of the split sizes (saves the cuBLASLt
+            backend a host sync; never read by the grouped backend).
+    Returns the output tensor (``out`` itself when given).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    ops = parse_operands(a, b, kind, m_splits)
+    out, dtype, shape = _check_out(ops, out, out_dtype, accumulate)
+    bias = _check_bias(ops, bias, dtype)
+
+    if ops.device.type != "cuda":
+        if backend != "auto":
+            raise ValueError(f"backend={backend!r} needs CUDA operands; CPU operands run the reference")
+        CALLS["reference"] += 1
+        return reference_grouped_gemm(ops, out, accumulate, bias, dtype)
+
+    reason = grouped_backend_support(ops, dtype)
+    if backend == "auto":
+        if reason is None:
+            backend = "grouped"
+        elif ops.m_splits is not None:
+            backend = "cublas"
+        else:
+            raise ValueError(f"no sync-free grouped GEMM for this call ({reason}); pass m_splits=[...] "
+                             "or backend='cublas' (which reads the splits on the host)")
+    elif backend == "grouped" and reason is not None:
+        raise ValueError(f"backend='grouped' cannot run this call: {reason}")
+
+    fresh = out is None
+    if fresh:
+        out = torch.empty(shape, dtype=dtype, device=ops.device)
+    if backend == "grouped":
+        CALLS["grouped"] += 1
+        _run_grouped(ops, out, accumulate)
+    else:
+        CALLS["cublas"] += 1
+        _run_cublas(ops, out, accumulate)
+    if ops.kind != "wgrad" and (bias is not None or fresh) and ops.rows > 0:
+        from lpmoe._ext import ext
+
+        ext().grouped_row_epilogue(out, bias, ops.a.padded_row_offsets, ops.num_groups, fresh)
+    return out
+
+
+# ------------------------------------------------------------------ operands
+def _weight_scales(ops: GemmOperands, layout: str) -> Tuple[torch.Tensor, int]:
+    """The 128x128 weight scales in the layout a GEMM reads, and elements per
+    member.  ``"rowwise"``: (ceil(N/128), round_up(ceil(K/128),4)) per member
+    (W's rowwise scale buffer); ``"colwise"``: (ceil(K/128),
+    round_up(ceil(N/128),4)) (W's columnwise buffer).  Both hold the same
+    numbers; when the wanted buffer was not produced it is rebuilt from the
+    other with a tiny transpose (no sync)."""
+    w = ops.b_grouped
+    g, n, k = ops.num_groups, ops.n, ops.k
+    bn, bk = _cdiv(n, 128), _cdiv(k, 128)
+    row_member, col_member = bn * _rup(bk, 4), bk * _rup(bn, 4)
+    if layout == "rowwise" and w.scale_inv is not None:
+        return w.scale_inv, row_member
+    if layout == "colwise" and w.columnwise_scale_inv is not None:
+        return w.columnwise_scale_inv, col_member
+    if layout == "rowwise":
+        src = w.columnwise_scale_inv[:g * col_member].view(g, bk, _rup(bn, 4))[:, :, :bn]
+        dst = torch.zeros((g, bn, _rup(bk, 4)), dtype=torch.float32, device=ops.device)
+        dst[:, :, :bk] = src.transpose(1, 2)
+        return dst.view(-1), row_member
+    src = w.scale_inv[:g * row_member].view(g, bn, _rup(bk, 4))[:, :, :bk]
+    dst = torch.zeros((g, bk, _rup(bn, 4)), dtype=torch.float32, device=ops.device)
+    dst[:, :, :bn] = src.transpose(1, 2)
+    return dst.view(-1), col_member
+
+
+def _ptr_table(ops: GemmOperands) -> torch.Tensor:
+    """Device array of the discrete weights' addresses, cached per address
+    tuple (parameters do not move, so a step builds it once, outside any
+    graph capture)."""
+    key = tuple(w.data_ptr() for w in ops.b_list) + (ops.device.index or 0,)
+    t = _ptr_tables.get(key)
+    if t is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("lpmoe.grouped_gemm: a new list of weight tensors was first seen inside CUDA graph "
+                               "capture; run the call once eagerly (warm-up) before capturing")
+        t = torch.tensor(list(key[:-1]), dtype=torch.int64, device=ops.device)
+        _ptr_tables[key] = t
+    return t
+
+
+def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None:
+    from lpmoe._ext import ext
+
+    g, n, k = ops.num_groups, ops.n, ops.k
+    a, b = ops.a, ops.b_grouped
+    a_scale = b_scale = b_ptrs = None
+    b_member = b_scale_member = 0
+    if ops.fp8:
+        fmt = 2
+        if ops.kind == "wgrad":
+            a_data, a_scale = a.columnwise_data, a.columnwise_scale_inv
+            b_data, b_scale = b.columnwise_data, b.columnwise_scale_inv
+        elif ops.kind == "fprop":
+            a_data, a_scale = a.rowwise_data, a.scale_inv
+            b_data, b_member = b.rowwise_data, n * k
+            b_scale, b_scale_member = _weight_scales(ops, "colwise")
+        else:
+            a_data, a_scale = a.rowwise_data, a.scale_inv
+            b_data, b_member = b.columnwise_data, k * _rup(n, 128)
+            b_scale, b_scale_member = _weight_scales(ops, "rowwise")
+    else:
+        fmt = _FMT[ops.dtype]
+        a_data = a.rowwise_data
+        if ops.kind == "wgrad":
+            b_data = b.rowwise_data
+        elif b is not None:
+            b_data, b_member = b.rowwise_data, n * k
+        else:
+            b_data, b_ptrs = ops.b_list[0], _ptr_table(ops)
+    target = out
+    if ops.kind == "wgrad" and out.dtype != torch.float32:
+        target = out.float() if accumulate else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    ws = gemm_workspace(ops.device, slot_for_kind(ops.kind))
+    setup = setup_workspace(ops.device, g)
+    ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member, b_scale,
+                               b_scale_member, target, a.padded_row_offsets, g, n, k,
+                               1.0 if accumulate else 0.0, setup, ws)
+    if target is not out:
+        out.copy_(target)
+
+
+def _run_cublas(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None:
+    from lpmoe._ext import ext
+
+    splits = host_splits(ops)
+    g, n, k = ops.num_groups, ops.n, ops.k
+    a, b = ops.a, ops.b_grouped
+    a_scale = b_tok = b_tok_scale = None
+    b_addrs, b_scale_addrs = [], []
+    if ops.fp8:
+        fmt = 2
+        if ops.kind != "wgrad" and any(m % 4 for m in splits):
+            raise ValueError("cuBLASLt FP8 block scaling needs every group size to be a multiple of 4 "
+                             f"(got {splits}); use backend='grouped'")
+        if ops.kind == "wgrad":
+            a_data, a_scale = a.columnwise_data, a.columnwise_scale_inv
+            b_tok, b_tok_scale = b.columnwise_data, b.columnwise_scale_inv
+        else:
+            a_data, a_scale = a.rowwise_data, a.scale_inv
+            if ops.kind == "fprop":
+                data, member = b.rowwise_data, n * k
+                scales, smember = _weight_scales(ops, "rowwise")
+            else:
+                data, member = b.columnwise_data, k * _rup(n, 128)
+                scales, smember = _weight_scales(ops, "colwise")
+            b_addrs = [data.data_ptr() + t * member for t in range(g)]
+            b_scale_addrs = [scales.data_ptr() + 4 * t * smember for t in range(g)]
+    else:
+        fmt = _FMT[ops.dtype]
+        a_data = a.rowwise_data
+        if ops.kind == "wgrad":
+            b_tok = b.rowwise_data
+        elif b is not None:
+            esz = b.rowwise_data.element_size()
+            b_addrs = [b.rowwise_data.data_ptr() + t * n * k * esz for t in range(g)]
+        else:
+            b_addrs = [w.data_ptr() for w in ops.b_list]
+    ws = gemm_workspace(ops.device, slot_for_kind(ops.kind))
+    ext().grouped_gemm_cublas(_KIND[ops.kind], fmt, a_data, a_scale, b_addrs, b_scale_addrs, b_tok, b_tok_scale,
+                              out, splits, n, k, 1.0 if accumulate else 0.0, ws)

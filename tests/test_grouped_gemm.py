@@ -1,0 +1,310 @@
+"""lpmoe.grouped_gemm: validation and reference (CPU), both GPU backends
+against the fp64 product of the dequantized operands, empty groups, caller
+outputs, persistent workspaces, no host syncs, CUDA graph capture/replay."""
+import pytest
+import torch
+
+import lpmoe
+from lpmoe import Float8BlockQuantizer, GroupedTensor
+from lpmoe.gemm import CALLS, gemm_workspace, reference_grouped_gemm, setup_workspace
+from lpmoe.gemm.operands import parse_operands
+
+from conftest import requires_cuda
+
+Q1 = Float8BlockQuantizer(block_dim=1)
+Q2 = Float8BlockQuantizer(block_dim=2)
+
+
+def tokens(x, splits):
+    g = len(splits)
+    first = torch.tensor(splits, dtype=torch.int64, device=x.device)
+    return GroupedTensor(num_tensors=g, logical_shape=tuple(x.shape), dtype=x.dtype, rowwise_data=x.view(-1),
+                         first_dims=first)
+
+
+def make_case(splits, k, n, dtype, device, fp8, tail=0, seed=0):
+    """(a, b) operands of each kind, plus the high-precision tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(splits) + tail
+    g = len(splits)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    dy = torch.randn(rows, n, generator=gen).to(dtype).to(device)
+    w = (torch.randn(g, n, k, generator=gen) * 0.05).to(dtype).to(device)
+    first = torch.tensor(splits, dtype=torch.int64, device=device)
+    if fp8:
+        xg = lpmoe.group_quantize(x, Q1, num_tensors=g, first_dims=first)
+        dyg = lpmoe.group_quantize(dy, Q1, num_tensors=g, first_dims=first)
+        wg = lpmoe.group_quantize(w.view(g * n, k), Q2, num_tensors=g)
+    else:
+        xg, dyg, wg = tokens(x, splits), tokens(dy, splits), w
+    return {"fprop": (xg, wg), "dgrad": (dyg, wg), "wgrad": (dyg, xg)}, (x, dy, w)
+
+
+def rel_err(out, ref):
+    ref = ref.double()
+    den = ref.norm()
+    return float((out.double() - ref).norm() / (den if den > 0 else 1.0))
+
+
+# ------------------------------------------------------------------ CPU
+def test_reference_matches_per_member_loops_bf16():
+    splits = [3, 0, 17, 9]
+    ops, (x, dy, w) = make_case(splits, 32, 48, torch.float32, "cpu", fp8=False, tail=5)
+    y = lpmoe.grouped_gemm(*ops["fprop"], kind="fprop")
+    dx = lpmoe.grouped_gemm(*ops["dgrad"], kind="dgrad")
+    dw = lpmoe.grouped_gemm(*ops["wgrad"], kind="wgrad")
+    r = 0
+    for t, m in enumerate(splits):
+        torch.testing.assert_close(y[r:r + m], x[r:r + m] @ w[t].t())
+        torch.testing.assert_close(dx[r:r + m], dy[r:r + m] @ w[t])
+        torch.testing.assert_close(dw[t], dy[r:r + m].t() @ x[r:r + m])
+        r += m
+    assert torch.all(y[r:] == 0) and torch.all(dx[r:] == 0)  # fresh output: tail zeroed
+    assert torch.all(dw[1] == 0)
+
+
+def test_reference_fp8_uses_the_dequantized_copy_the_gemm_reads():
+    splits = [130, 0, 7]
+    ops, (x, dy, w) = make_case(splits, 256, 128, torch.bfloat16, "cpu", fp8=True)
+    # wgrad reads the columnwise (token-blocked) copies.
+    a, b = ops["wgrad"]
+    dw = lpmoe.grouped_gemm(a, b, kind="wgrad", out_dtype=torch.float32)
+    assert dw.dtype == torch.float32 and dw.shape == (3, 128, 256)
+    ref = dy[:130].double().t() @ x[:130].double()
+    assert rel_err(dw[0], ref) < 0.06  # FP8 quantization error only
+    assert torch.all(dw[1] == 0)
+
+
+def test_reference_bias_and_accumulate():
+    splits = [4, 6]
+    ops, (x, dy, w) = make_case(splits, 16, 32, torch.float32, "cpu", fp8=False)
+    bias = torch.randn(2, 32)
+    y = lpmoe.grouped_gemm(*ops["fprop"], kind="fprop", bias=bias)
+    torch.testing.assert_close(y[:4], x[:4] @ w[0].t() + bias[0])
+    acc = torch.ones(2, 32, 16)
+    lpmoe.grouped_gemm(*ops["wgrad"], kind="wgrad", out=acc, accumulate=True)
+    torch.testing.assert_close(acc[1], 1 + dy[4:].t() @ x[4:])
+
+
+@pytest.mark.parametrize("case", ["kind", "groups", "kdim", "fp8_mixed", "direction", "block_dim", "accum",
+                                  "bias_kind", "out_shape", "backend", "cpu_backend", "wgrad_rows", "list"])
+def test_clear_errors(case):
+    ops, (x, dy, w) = make_case([4, 4], 128, 128, torch.bfloat16, "cpu", fp8=False)
+    fops, _ = make_case([4, 4], 128, 128, torch.bfloat16, "cpu", fp8=True)
+    a, b = ops["fprop"]
+    with pytest.raises((ValueError, TypeError)) as e:
+        if case == "kind":
+            lpmoe.grouped_gemm(a, b, kind="forward")
+        elif case == "groups":
+            lpmoe.grouped_gemm(a, b[:1], kind="fprop")
+        elif case == "kdim":
+            lpmoe.grouped_gemm(a, torch.zeros(2, 128, 64, dtype=torch.bfloat16), kind="fprop")
+        elif case == "fp8_mixed":
+            lpmoe.grouped_gemm(fops["fprop"][0], b, kind="fprop")
+        elif case == "direction":
+            xq = lpmoe.group_quantize(x, Q1.copy(columnwise=False), num_tensors=2,
+                                      first_dims=torch.tensor([4, 4]))
+            lpmoe.grouped_gemm(fops["wgrad"][0], xq, kind="wgrad")
+        elif case == "block_dim":
+            lpmoe.grouped_gemm(fops["fprop"][0], fops["fprop"][0], kind="fprop")
+        elif case == "accum":
+            lpmoe.grouped_gemm(a, b, kind="fprop", accumulate=True, out=torch.zeros(8, 128))
+        elif case == "bias_kind":
+            lpmoe.grouped_gemm(*ops["dgrad"], kind="dgrad", bias=torch.zeros(2, 128))
+        elif case == "out_shape":
+            lpmoe.grouped_gemm(a, b, kind="fprop", out=torch.zeros(7, 128, dtype=torch.bfloat16))
+        elif case == "backend":
+            lpmoe.grouped_gemm(a, b, kind="fprop", backend="fast")
+        elif case == "cpu_backend":
+            lpmoe.grouped_gemm(a, b, kind="fprop", backend="grouped")
+        elif case == "wgrad_rows":
+            lpmoe.grouped_gemm(ops["wgrad"][0], tokens(x[:6].contiguous(), [3, 3]), kind="wgrad")
+        elif case == "list":
+            lpmoe.grouped_gemm(a, [w[0], w[1][:, :64]], kind="fprop")
+    msg = str(e.value)
+    assert len(msg) > 20  # names what was expected
+
+
+def test_parse_roles():
+    ops, _ = make_case([4, 4], 128, 256, torch.bfloat16, "cpu", fp8=True)
+    p = parse_operands(*ops["dgrad"], "dgrad")
+    assert (p.n, p.k, p.num_groups, p.fp8) == (256, 128, 2, True)
+
+
+# ------------------------------------------------------------------ GPU
+SPLITS = {
+    "mixed": [0, 5, 130, 127, 256, 1, 0, 64],
+    "uniform": [128] * 8,
+    "skewed": [900, 4, 0, 36],
+    "one": [300],
+    "g64": [(i * 37) % 97 for i in range(64)],
+}
+SPLITS_4 = {  # cuBLASLt FP8 needs multiples of 4
+    "mixed": [0, 4, 132, 128, 256, 8, 0, 64],
+    "uniform": [128] * 8,
+    "skewed": [900, 4, 0, 36],
+    "one": [300],
+    "g64": [(i * 36) % 96 for i in range(64)],
+}
+
+
+def _tol(out_dtype):
+    return 5e-3 if out_dtype != torch.float32 else 1e-3
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["grouped", "cublas"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("split_name", list(SPLITS))
+def test_gpu_matches_reference(backend, fmt, kind, split_name):
+    splits = (SPLITS_4 if (fmt == "fp8" and backend == "cublas") else SPLITS)[split_name]
+    dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
+    k, n = (256, 384) if split_name != "g64" else (128, 256)
+    ops, _ = make_case(splits, k, n, dtype, "cuda", fp8=fmt == "fp8", tail=3)
+    a, b = ops[kind]
+    out_dtype = torch.float32 if kind == "wgrad" else dtype
+    shape = (len(splits), n, k) if kind == "wgrad" else (a.logical_shape[0], n if kind == "fprop" else k)
+    out = torch.full(shape, float("nan"), dtype=out_dtype, device="cuda")  # poisoned
+    m_splits = splits if backend == "cublas" else None
+    res = lpmoe.grouped_gemm(a, b, kind=kind, out=out, backend=backend, m_splits=m_splits)
+    assert res.data_ptr() == out.data_ptr()
+    p = parse_operands(a, b, kind, splits)
+    ref = reference_grouped_gemm(p, None, False, None, torch.float64)
+    if kind == "wgrad":
+        assert rel_err(res, ref) <= _tol(out_dtype)
+        for t, m in enumerate(splits):
+            if m == 0:
+                assert torch.all(res[t] == 0)
+    else:
+        used = sum(splits)
+        assert rel_err(res[:used], ref[:used]) <= _tol(out_dtype)
+        assert torch.isnan(res[used:].float()).all()  # caller's tail untouched
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_gpu_wgrad_accumulate_and_empty_groups(fmt):
+    splits = [0, 200, 0, 56]
+    ops, _ = make_case(splits, 128, 256, torch.bfloat16, "cuda", fp8=fmt == "fp8")
+    a, b = ops["wgrad"]
+    base = torch.randn(4, 256, 128, device="cuda")
+    acc = base.clone()
+    lpmoe.grouped_gemm(a, b, kind="wgrad", out=acc, accumulate=True, backend="grouped")
+    p = parse_operands(a, b, "wgrad", splits)
+    ref = reference_grouped_gemm(p, None, False, None, torch.float64)
+    assert torch.equal(acc[0], base[0]) and torch.equal(acc[2], base[2])  # empty: untouched
+    assert rel_err(acc - base, ref) < 1e-3
+    fresh = lpmoe.grouped_gemm(a, b, kind="wgrad", out=torch.full_like(base, float("nan")), backend="grouped")
+    assert torch.all(fresh[0] == 0) and torch.all(fresh[2] == 0)  # empty: zeros
+    bf = lpmoe.grouped_gemm(a, b, kind="wgrad", out_dtype=torch.bfloat16, backend="grouped")
+    assert bf.dtype == torch.bfloat16 and rel_err(bf, ref) < 5e-3
+
+
+@requires_cuda
+def test_gpu_fprop_bias_list_weights_and_fresh_tail():
+    splits = [5, 0, 133]
+    ops, (x, dy, w) = make_case(splits, 128, 256, torch.bfloat16, "cuda", fp8=False, tail=9)
+    a, _ = ops["fprop"]
+    bias = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    y = lpmoe.grouped_gemm(a, [w[i] for i in range(3)], kind="fprop", bias=bias, backend="grouped")
+    y2 = lpmoe.grouped_gemm(a, w, kind="fprop", bias=list(bias), backend="cublas", m_splits=splits)
+    r = 0
+    for t, m in enumerate(splits):
+        ref = x[r:r + m].double() @ w[t].double().t() + bias[t].double()
+        if m:
+            assert rel_err(y[r:r + m], ref) < 5e-3 and rel_err(y2[r:r + m], ref) < 5e-3
+        r += m
+    assert torch.all(y[r:] == 0) and torch.all(y2[r:] == 0)
+
+
+@requires_cuda
+def test_gpu_fp8_weight_scales_rebuilt_when_one_copy_is_missing():
+    splits = [64, 192]
+    ops, _ = make_case(splits, 256, 384, torch.bfloat16, "cuda", fp8=True)
+    a, wg = ops["fprop"]
+    full = lpmoe.grouped_gemm(a, wg, kind="fprop", backend="grouped")
+    w_row = GroupedTensor(num_tensors=2, logical_shape=wg.logical_shape, dtype=wg.dtype,
+                          quantizer=Q2.copy(columnwise=False), rowwise_data=wg.rowwise_data, scale_inv=wg.scale_inv)
+    assert torch.equal(lpmoe.grouped_gemm(a, w_row, kind="fprop", backend="grouped"), full)
+
+
+@requires_cuda
+def test_gpu_workspaces_are_persistent():
+    ops, _ = make_case([64, 64], 128, 128, torch.bfloat16, "cuda", fp8=False)
+    dev = torch.device("cuda")
+    ptrs = [gemm_workspace(dev, s).data_ptr() for s in (0, 1)] + [setup_workspace(dev, 2).data_ptr()]
+    assert ptrs[0] != ptrs[1]  # dgrad and wgrad never share a workspace
+    for kind in ("fprop", "dgrad", "wgrad"):
+        lpmoe.grouped_gemm(*ops[kind], kind=kind, backend="grouped")
+        lpmoe.grouped_gemm(*ops[kind], kind=kind, backend="cublas", m_splits=[64, 64])
+    assert [gemm_workspace(dev, s).data_ptr() for s in (0, 1)] + [setup_workspace(dev, 2).data_ptr()] == ptrs
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_gpu_grouped_backend_has_no_host_sync(fmt):
+    ops, _ = make_case([3, 0, 200, 61], 128, 256, torch.bfloat16, "cuda", fp8=fmt == "fp8")
+    for kind in ("fprop", "dgrad", "wgrad"):  # warm: caches, workspaces, pointer tables
+        lpmoe.grouped_gemm(*ops[kind], kind=kind)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        before = CALLS["grouped"]
+        for kind in ("fprop", "dgrad", "wgrad"):
+            lpmoe.grouped_gemm(*ops[kind], kind=kind)
+        assert CALLS["grouped"] == before + 3  # auto took the grouped backend
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_gpu_graph_replay_with_new_routing(fmt):
+    g, k, n, rows = 4, 256, 384, 512
+    fp8 = fmt == "fp8"
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    dy = torch.randn(rows, n, device="cuda").bfloat16()
+    w = (torch.randn(g, n, k, device="cuda") * 0.05).bfloat16()
+    m = torch.tensor([128, 128, 128, 128], device="cuda")
+
+    def step():
+        if fp8:
+            xg = lpmoe.group_quantize(x, Q1, num_tensors=g, first_dims=m)
+            dyg = lpmoe.group_quantize(dy, Q1, num_tensors=g, first_dims=m)
+            wg = lpmoe.group_quantize(w.view(g * n, k), Q2, num_tensors=g)
+        else:
+            xg, dyg, wg = [GroupedTensor(num_tensors=g, logical_shape=tuple(t.shape), dtype=t.dtype,
+                                         rowwise_data=t.view(-1), first_dims=m) for t in (x, dy)] + [w]
+        y = lpmoe.grouped_gemm(xg, wg, kind="fprop")
+        dx = lpmoe.grouped_gemm(dyg, wg, kind="dgrad")
+        dw = lpmoe.grouped_gemm(dyg, xg, kind="wgrad")
+        return y, dx, dw
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for splits in ([0, 300, 12, 200], [512, 0, 0, 0], [100, 100, 100, 100]):
+        m.copy_(torch.tensor(splits))
+        x.copy_(torch.randn_like(x))
+        dy.copy_(torch.randn_like(dy))
+        graph.replay()
+        eager = step()
+        used = sum(splits)
+        for got, want in zip(static, eager):
+            if got.dim() == 2:
+                assert torch.equal(got[:used], want[:used])
+            else:
+                assert torch.equal(got, want)
+    # 200 replays of the captured dgrad+wgrad sequence stay bit-identical
+    graph.replay()
+    first = [t.clone() for t in static]
+    for _ in range(200):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(first, static))
