@@ -13,6 +13,7 @@ Environment:
   MAX_JOBS              parallel compile jobs (honoured by torch's ninja
                         build).
   LPMOE_DEBUG=1         -O0 -G style device debug build (slow).
+  LPMOE_NVCC_EXTRA      extra nvcc flags (-DLPMOE_GEMM_EXPERIMENTS: GEMM tuning build).
 """
 import glob
 import os
@@ -74,6 +75,8 @@ nvcc_flags = opt + [
 ]
 if debug:
     nvcc_flags.append("-G")
+# Extra nvcc flags, e.g. -DLPMOE_GEMM_EXPERIMENTS for GEMM tuning builds.
+nvcc_flags += os.environ.get("LPMOE_NVCC_EXTRA", "").split()
 
 ext = CUDAExtension(
     name="lpmoe._C",

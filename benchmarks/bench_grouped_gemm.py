@@ -107,8 +107,44 @@ def run_case(name, k, n, g, tokens, skewed, kinds):
     return out
 
 
+def sweep(variants):
+    """Tuning builds (-DLPMOE_GEMM_EXPERIMENTS): time the grouped kernels of
+    each compiled configuration (LPMOE_GEMM_VARIANT) on a few shapes."""
+    import os
+
+    cases = [("dsv3-up", 8, 32768), ("qwen3-up", 32, 16384), ("qwen3-up", 64, 4096)]
+    for name, g, tokens in cases:
+        k, n = next((k, n) for s, k, n in SHAPES if s == name)
+        splits = splits_for(g, tokens, False)
+        first = torch.tensor(splits, device="cuda")
+        x = torch.randn(tokens, k, device="cuda").bfloat16()
+        dy = torch.randn(tokens, n, device="cuda").bfloat16()
+        w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
+        xq = lpmoe.group_quantize(x, Q1, num_tensors=g, first_dims=first)
+        dyq = lpmoe.group_quantize(dy, Q1, num_tensors=g, first_dims=first)
+        wq = lpmoe.group_quantize(w.view(g * n, k), Q2, num_tensors=g)
+        xg, dyg = grouped(x, splits), grouped(dy, splits)
+        flops = 2.0 * tokens * n * k
+        for kind in ("fprop", "dgrad", "wgrad"):
+            fa, fb = {"fprop": (xq, wq), "dgrad": (dyq, wq), "wgrad": (dyq, xq)}[kind]
+            ba, bb = {"fprop": (xg, w), "dgrad": (dyg, w), "wgrad": (dyg, xg)}[kind]
+            cells = []
+            for v in variants:
+                os.environ["LPMOE_GEMM_VARIANT"] = v
+                f8 = tflops(flops, safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="grouped")))
+                b16 = tflops(flops, safe(lambda: lpmoe.grouped_gemm(ba, bb, kind=kind, backend="grouped")))
+                cells.append(f"{v or 'default'}: fp8 {f8:6.1f} bf16 {b16:6.1f}")
+            os.environ.pop("LPMOE_GEMM_VARIANT", None)
+            print(f"sweep {name:10s} g={g:2d} tok={tokens:6d} {kind:5s} | " + " | ".join(cells), flush=True)
+
+
 def main():
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--sweep", default=None, help="comma-separated LPMOE_GEMM_VARIANT names ('' = default)")
+    args = p.parse_args()
+    if args.sweep is not None:
+        sweep(args.sweep.split(","))
+        return
     torch.manual_seed(0)
     print(f"device {torch.cuda.get_device_name()}  (TFLOP/s; median of 7 samples x 5 calls)")
     rows = []

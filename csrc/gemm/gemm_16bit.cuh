@@ -8,6 +8,9 @@
 // so any M_t works.
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
+
 #include "gemm/cutlass_grouped.cuh"
 
 namespace lpmoe {
@@ -18,36 +21,48 @@ namespace detail16 {
 
 using namespace cute;
 
-template <class Element, GemmKind Kind>
+struct Cooperative16 {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+};
+struct Pingpong16 {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using TileShape = Shape<_128, _128, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+};
+
+template <class Element, GemmKind Kind, class Schedule = Cooperative16>
 struct Config16 {
   static constexpr bool kWgrad = Kind == GemmKind::kWgrad;
   using LayoutA = std::conditional_t<kWgrad, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutB = std::conditional_t<Kind == GemmKind::kFprop, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using ElementD = std::conditional_t<kWgrad, float, Element>;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
-  using TileShape = Shape<_128, _256, _64>;
-  using ClusterShape = Shape<_2, _1, _1>;
+  using TileShape = typename Schedule::TileShape;
+  using ClusterShape = typename Schedule::ClusterShape;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, cutlass::layout::RowMajor*, kAlignD,
-      ElementD, cutlass::layout::RowMajor*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      ElementD, cutlass::layout::RowMajor*, kAlignD, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float,
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::Kernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Arrays = GroupArrays<Gemm>;
 };
 
-template <class Element, GemmKind Kind>
-__global__ void build_args16(GroupedGemmArgs args, typename Config16<Element, Kind>::Arrays arr) {
-  using C = Config16<Element, Kind>;
+template <class C, class Element, GemmKind Kind>
+__global__ void build_args16(GroupedGemmArgs args, typename C::Arrays arr) {
   using Arrays = typename C::Arrays;
   using ElementD = typename C::ElementD;
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -82,16 +97,16 @@ __global__ void build_args16(GroupedGemmArgs args, typename Config16<Element, Ki
   }
 }
 
-template <class Element, GemmKind Kind>
+template <class Element, GemmKind Kind, class Schedule = Cooperative16>
 cudaError_t run16(const GroupedGemmArgs& args) {
-  using C = Config16<Element, Kind>;
+  using C = Config16<Element, Kind, Schedule>;
   using Kernel = typename C::Kernel;
   if (args.kind != Kind) return cudaErrorInvalidValue;
   if (args.num_groups <= 0) return cudaSuccess;
   SetupCarver carver{static_cast<char*>(args.setup)};
   auto arr = C::Arrays::carve(carver, args.num_groups);
   if (carver.used > args.setup_bytes) return cudaErrorInvalidValue;
-  build_args16<Element, Kind><<<(args.num_groups + 127) / 128, 128, 0, args.stream>>>(args, arr);
+  build_args16<C, Element, Kind><<<(args.num_groups + 127) / 128, 128, 0, args.stream>>>(args, arr);
   const bool acc = C::kWgrad && args.beta != 0.0f;
   typename Kernel::MainloopArguments mainloop{arr.a, arr.sa, arr.b, arr.sb};
   typename Kernel::EpilogueArguments epilogue{{}, acc ? arr.c : nullptr, arr.sc, arr.d, arr.sd};
@@ -109,7 +124,21 @@ cudaError_t run16(const GroupedGemmArgs& args) {
 }  // namespace lpmoe
 
 // One translation unit per (dtype, kind): defines `fn(args)` or a stub.
-#if LPMOE_HAS_SM90_GROUPED
+// Tuning builds (-DLPMOE_GEMM_EXPERIMENTS) also compile the pingpong
+// schedule, picked with LPMOE_GEMM_VARIANT=pp16.
+#if LPMOE_HAS_SM90_GROUPED && defined(LPMOE_GEMM_EXPERIMENTS)
+#define LPMOE_DEFINE_GROUPED_16BIT(fn, element, kind)                                        \
+  namespace lpmoe {                                                                         \
+  namespace gemm {                                                                          \
+  cudaError_t fn(const GroupedGemmArgs& args) {                                             \
+    const char* v = std::getenv("LPMOE_GEMM_VARIANT");                                      \
+    if (v != nullptr && std::strcmp(v, "pp16") == 0)                                        \
+      return detail16::run16<element, kind, detail16::Pingpong16>(args);                    \
+    return detail16::run16<element, kind>(args);                                            \
+  }                                                                                         \
+  }                                                                                         \
+  }
+#elif LPMOE_HAS_SM90_GROUPED
 #define LPMOE_DEFINE_GROUPED_16BIT(fn, element, kind)                                        \
   namespace lpmoe {                                                                         \
   namespace gemm {                                                                          \
