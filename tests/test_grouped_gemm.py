@@ -308,3 +308,16 @@ def test_gpu_graph_replay_with_new_routing(fmt):
         graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(first, static))
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_gpu_cublas_fp32_output_is_tighter(fmt):
+    splits = [64, 0, 128]
+    ops, _ = make_case(splits, 256, 128, torch.bfloat16, "cuda", fp8=fmt == "fp8")
+    a, b = ops["fprop"]
+    y = lpmoe.grouped_gemm(a, b, kind="fprop", out_dtype=torch.float32, backend="cublas", m_splits=splits)
+    ref = reference_grouped_gemm(parse_operands(a, b, "fprop", splits), None, False, None, torch.float64)
+    assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-4
+    with pytest.raises(ValueError, match="grouped"):
+        lpmoe.grouped_gemm(a, b, kind="fprop", out_dtype=torch.float32, backend="grouped")
