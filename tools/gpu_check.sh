@@ -57,6 +57,10 @@ fi
 if [ "$RUN_TESTS" = 1 ]; then
   PYTHONPATH=python python3 examples/demo.py 2>&1 | tee "$OUT/demo.log" | tail -8
   summary+=("demo (examples/demo.py)|exit ${PIPESTATUS[0]}")
+  for extra in "" "--graphs"; do
+    PYTHONPATH=python python3 examples/moe_mlp.py $extra 2>&1 | tee "$OUT/moe_mlp$extra.log" | tail -4
+    summary+=("examples/moe_mlp.py $extra|exit ${PIPESTATUS[0]}: $(grep -i 'tokens/s' "$OUT/moe_mlp$extra.log" | tail -1 | cut -c1-60)")
+  done
 fi
 if [ "$RUN_BENCH" = 1 ]; then
   for b in ${LPMOE_BENCH:-benchmarks/bench_*.py}; do

@@ -23,3 +23,8 @@ from lpmoe.quantize import (  # noqa: F401,E402
 )
 from lpmoe.swizzle import swizzle_scales, unswizzle_scales  # noqa: F401,E402
 from lpmoe.gemm import grouped_gemm  # noqa: F401,E402
+from lpmoe import recipe  # noqa: F401,E402
+from lpmoe.autocast import autocast, get_autocast_recipe  # noqa: F401,E402
+from lpmoe import functional  # noqa: F401,E402
+from lpmoe.module import GroupedLinear  # noqa: F401,E402
+from lpmoe import ops  # noqa: F401,E402

@@ -1,0 +1,107 @@
+"""``lpmoe.GroupedLinear``: the expert linear layer of an MoE block."""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Union
+
+import torch
+
+from lpmoe.autocast import get_autocast_recipe
+from lpmoe.functional import WeightCache, grouped_linear
+
+__all__ = ["GroupedLinear"]
+
+
+class GroupedLinear(torch.nn.Module):
+    """G independent linear layers applied to G consecutive row blocks.
+
+    ``y_t = x_t . weight{t}^T + bias{t}`` for the ``m_splits[t]`` rows of
+    expert t.  Parameters are ``weight0 .. weight{G-1}`` (out x in) and, with
+    ``bias=True``, ``bias0 .. bias{G-1}`` (zero-initialised): the state-dict
+    keys of TransformerEngine's ``GroupedLinear``, so checkpoints move between
+    the two (TE's ``_extra_state`` entry is accepted and ignored on load).
+
+    The precision follows the active :func:`lpmoe.autocast` recipe at call
+    time (input dtype without one).  The layer owns a
+    :class:`~lpmoe.functional.WeightCache` for its FP8 weights
+    (``is_first_microbatch``).
+
+    Args:
+        num_gemms: number of experts G.
+        in_features, out_features: per-expert sizes.
+        bias: learn per-expert biases.
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``);
+            FP8 block scaling needs bf16.
+        device: where the parameters live; ``"cpu"`` runs lpmoe's reference
+            GEMMs with the GPU path's numerics.
+        init_method: ``init_method(weight)`` initialises each weight in
+            place; default kaiming-uniform as ``torch.nn.Linear``.
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
+                 params_dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cuda",
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None):
+        super().__init__()
+        for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.num_gemms = num_gemms
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = bool(bias)
+        self.params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
+        self.init_method = init_method
+        for i in range(num_gemms):
+            w = torch.empty(out_features, in_features, dtype=self.params_dtype, device=device)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+            if self.use_bias:
+                b = torch.empty(out_features, dtype=self.params_dtype, device=device)
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(b))
+        # Not a buffer: derived from the weights, never saved in checkpoints.
+        self.weight_cache = WeightCache()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w in self.weights:
+                if self.init_method is not None:
+                    self.init_method(w)
+                else:
+                    torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # torch.nn.Linear's default
+            for b in self.biases or []:
+                b.zero_()
+        self.weight_cache.clear()
+
+    @property
+    def weights(self) -> List[torch.nn.Parameter]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> Optional[List[torch.nn.Parameter]]:
+        if not self.use_bias:
+            return None
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """``inp`` (..., in_features) grouped by expert; ``m_splits`` tokens
+        per expert (CUDA int tensor: graph-safe; list / CPU tensor: host
+        path; see :mod:`lpmoe.functional`).  Returns (..., out_features)."""
+        return grouped_linear(inp, m_splits, self.weights, self.biases, get_autocast_recipe(),
+                              weight_cache=self.weight_cache, is_first_microbatch=is_first_microbatch)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # TE checkpoints carry an `_extra_state` (its FP8 metadata); lpmoe
+        # derives everything from the weights, so accept and drop it.
+        state_dict.pop(prefix + "_extra_state", None)
+        self.weight_cache.clear()  # new weights: the cached FP8 copy is stale
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.weight_cache.clear()  # .to() / .cuda() / .bfloat16() replace the parameters
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}, params_dtype={self.params_dtype}")
