@@ -70,9 +70,12 @@ void grouped_gemm_cutlass(int64_t kind, int64_t fmt, const at::Tensor& a, const 
     TORCH_CHECK(a_scale->scalar_type() == at::kFloat && b_scale->scalar_type() == at::kFloat,
                 "lpmoe: FP8 block scales must be float32");
   }
-  TORCH_CHECK(d.scalar_type() == (gk == gemm::GemmKind::kWgrad ? at::kFloat : (fmt == kFP16 ? at::kHalf : at::kBFloat16)),
-              "lpmoe: grouped backend output dtype mismatch (fprop/dgrad: bf16, fp16 for fp16 inputs; wgrad: fp32), got ",
-              d.scalar_type());
+  const bool wgrad_bf16 = gk == gemm::GemmKind::kWgrad && d.scalar_type() == at::kBFloat16 && fmt != kFP16;
+  TORCH_CHECK(wgrad_bf16 ||
+                  d.scalar_type() == (gk == gemm::GemmKind::kWgrad ? at::kFloat
+                                                                   : (fmt == kFP16 ? at::kHalf : at::kBFloat16)),
+              "lpmoe: grouped backend output dtype mismatch (fprop/dgrad: bf16, fp16 for fp16 inputs; wgrad: fp32, "
+              "or bf16 for bf16/FP8 inputs), got ", d.scalar_type());
   const int64_t a_rows = a.numel() / (gk == gemm::GemmKind::kFprop ? k : n);
   if (gk == gemm::GemmKind::kWgrad) {
     TORCH_CHECK(d.numel() >= num_groups * n * k, "lpmoe: wgrad out must hold G*N*K elements");
@@ -112,11 +115,13 @@ void grouped_gemm_cutlass(int64_t kind, int64_t fmt, const at::Tensor& a, const 
   args.stream = current_stream();
   cudaError_t st;
   if (fp8) {
-    st = gk == gemm::GemmKind::kWgrad ? gemm::fp8_block_grouped_gemm_wgrad(args)
-                                      : gemm::fp8_block_grouped_gemm_1x128_128x128(args);
+    st = gk != gemm::GemmKind::kWgrad ? gemm::fp8_block_grouped_gemm_1x128_128x128(args)
+         : wgrad_bf16                 ? gemm::fp8_block_grouped_gemm_wgrad_bf16out(args)
+                                      : gemm::fp8_block_grouped_gemm_wgrad(args);
   } else if (fmt == kBF16) {
     st = gk == gemm::GemmKind::kFprop   ? gemm::grouped_gemm_bf16_fprop(args)
          : gk == gemm::GemmKind::kDgrad ? gemm::grouped_gemm_bf16_dgrad(args)
+         : wgrad_bf16                   ? gemm::grouped_gemm_bf16_wgrad_bf16out(args)
                                         : gemm::grouped_gemm_bf16_wgrad(args);
   } else {
     st = gk == gemm::GemmKind::kFprop   ? gemm::grouped_gemm_fp16_fprop(args)
@@ -132,7 +137,7 @@ void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c
                          const std::vector<int64_t>& b_addrs, const std::vector<int64_t>& b_scale_addrs,
                          const c10::optional<at::Tensor>& b_token, const c10::optional<at::Tensor>& b_token_scale,
                          const at::Tensor& d, const std::vector<int64_t>& splits, int64_t n, int64_t k, double beta,
-                         const at::Tensor& workspace) {
+                         const at::Tensor& workspace, bool weights_e5m2) {
   const gemm::GemmKind gk = to_kind(kind);
   check_operand(a, a, "a");
   check_operand(d, a, "out");
@@ -161,8 +166,15 @@ void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c
   cudaDataType_t in_t = fmt == kBF16 ? CUDA_R_16BF : fmt == kFP16 ? CUDA_R_16F : fmt == kFP32 ? CUDA_R_32F
                                                                                               : CUDA_R_8F_E4M3;
   if (fp8) in_t = a.scalar_type() == at::kFloat8_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+  // b's element type: the token operand's (wgrad) or the weights' (passed
+  // in, only their addresses are here).
   cudaDataType_t b_t = in_t;
-  if (fp8 && wgrad) b_t = b_token->scalar_type() == at::kFloat8_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+  if (fp8) {
+    const bool b_e5m2 = wgrad ? b_token->scalar_type() == at::kFloat8_e5m2 : weights_e5m2;
+    b_t = b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+    TORCH_CHECK(!(b_e5m2 && in_t == CUDA_R_8F_E5M2),
+                "lpmoe: FP8 GEMMs need at least one E4M3 operand (E5M2 x E5M2 has no tensor-core kernel)");
+  }
   cudaDataType_t d_t = d.scalar_type() == at::kFloat ? CUDA_R_32F : d.scalar_type() == at::kHalf ? CUDA_R_16F
                                                                                                   : CUDA_R_16BF;
   const int64_t esz = fp8 ? 1 : a.element_size();
@@ -184,7 +196,7 @@ void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c
     TORCH_CHECK(m >= 0, "lpmoe: negative split");
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
     gemm::LtOperand A, B;
-    A.type = wgrad ? b_t : b_t;
+    A.type = b_t;  // cuBLAS A is lpmoe's b (weights, or x for wgrad)
     B.type = in_t;
     if (gk == gemm::GemmKind::kFprop && m > 0) {
       // D^T (N x M_t) = W_t (stored K x N col-major, transposed) . x_t^T

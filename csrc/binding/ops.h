@@ -68,7 +68,7 @@ void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c
                          const std::vector<int64_t>& b_addrs, const std::vector<int64_t>& b_scale_addrs,
                          const c10::optional<at::Tensor>& b_token, const c10::optional<at::Tensor>& b_token_scale,
                          const at::Tensor& d, const std::vector<int64_t>& splits, int64_t n, int64_t k, double beta,
-                         const at::Tensor& workspace);
+                         const at::Tensor& workspace, bool weights_e5m2);
 void grouped_row_epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
                           const at::Tensor& padded_row_offsets, int64_t num_groups, bool zero_tail);
 

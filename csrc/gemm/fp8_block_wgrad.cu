@@ -10,17 +10,20 @@ namespace gemm {
 #if LPMOE_HAS_SM90_GROUPED
 namespace {
 using namespace cute;
-using Chosen = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
+// Pingpong with 64-row tiles: one warpgroup's per-128-token promotion (two
+// scales per accumulator, granularity 1x1x128) overlaps the other's MMAs;
+// measured 1.12x the cooperative 128x128 kernel on DSV3 shapes (sweep in
+// docs/gemm-notes.md).  128-row pingpong tiles ran at ~1/3 the speed
+// (presumably register pressure: two 128x128 fp32 accumulators per thread set).
+using Chosen = detail8::Config8<true, detail8::Pingpong, Shape<_64, _128, _128>, Shape<_1, _2, _1>>;
 #ifdef LPMOE_GEMM_EXPERIMENTS
-using PP = detail8::Config8<true, detail8::Pingpong, Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
-using PP11 = detail8::Config8<true, detail8::Pingpong, Shape<_128, _128, _128>, Shape<_1, _1, _1>>;
+using Coop = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
 #endif
 }  // namespace
 
 cudaError_t fp8_block_grouped_gemm_wgrad(const GroupedGemmArgs& args) {
 #ifdef LPMOE_GEMM_EXPERIMENTS
-  if (detail8::variant_is("pp")) return detail8::run8<PP>(args);
-  if (detail8::variant_is("pp11")) return detail8::run8<PP11>(args);
+  if (detail8::variant_is("coop")) return detail8::run8<Coop>(args);
 #endif
   return detail8::run8<Chosen>(args);
 }

@@ -34,12 +34,13 @@ struct Pingpong16 {
   using ClusterShape = Shape<_2, _1, _1>;
 };
 
-template <class Element, GemmKind Kind, class Schedule = Cooperative16>
+// OutT: D's element type (void = fp32 for wgrad, the input type otherwise).
+template <class Element, GemmKind Kind, class Schedule = Cooperative16, class OutT = void>
 struct Config16 {
   static constexpr bool kWgrad = Kind == GemmKind::kWgrad;
   using LayoutA = std::conditional_t<kWgrad, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutB = std::conditional_t<Kind == GemmKind::kFprop, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using ElementD = std::conditional_t<kWgrad, float, Element>;
+  using ElementD = std::conditional_t<!std::is_void_v<OutT>, OutT, std::conditional_t<kWgrad, float, Element>>;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using TileShape = typename Schedule::TileShape;
   using ClusterShape = typename Schedule::ClusterShape;
@@ -97,9 +98,9 @@ __global__ void build_args16(GroupedGemmArgs args, typename C::Arrays arr) {
   }
 }
 
-template <class Element, GemmKind Kind, class Schedule = Cooperative16>
+template <class Element, GemmKind Kind, class Schedule = Cooperative16, class OutT = void>
 cudaError_t run16(const GroupedGemmArgs& args) {
-  using C = Config16<Element, Kind, Schedule>;
+  using C = Config16<Element, Kind, Schedule, OutT>;
   using Kernel = typename C::Kernel;
   if (args.kind != Kind) return cudaErrorInvalidValue;
   if (args.num_groups <= 0) return cudaSuccess;
@@ -114,7 +115,8 @@ cudaError_t run16(const GroupedGemmArgs& args) {
   epilogue.thread.beta = acc ? args.beta : 0.0f;
   cudaError_t st = run_grouped<typename C::Gemm>(args, arr.shape, mainloop, epilogue);
   if (st != cudaSuccess || !C::kWgrad || acc) return st;
-  return zero_empty_wgrad(static_cast<float*>(args.d), args.rows, args.num_groups, args.n, args.k, args.stream);
+  return zero_empty_wgrad(args.d, sizeof(typename C::ElementD), args.rows, args.num_groups, args.n, args.k,
+                          args.stream);
 }
 
 }  // namespace detail16
@@ -151,5 +153,24 @@ cudaError_t run16(const GroupedGemmArgs& args) {
   namespace gemm {                                                                          \
   cudaError_t fn(const GroupedGemmArgs&) { return cudaErrorNotSupported; }                  \
   }                                                                                         \
+  }
+#endif
+
+// A wgrad whose D is `out` (e.g. bf16 weight gradients written directly).
+#if LPMOE_HAS_SM90_GROUPED
+#define LPMOE_DEFINE_GROUPED_16BIT_WGRAD_OUT(fn, element, out)                                \
+  namespace lpmoe {                                                                          \
+  namespace gemm {                                                                           \
+  cudaError_t fn(const GroupedGemmArgs& args) {                                              \
+    return detail16::run16<element, GemmKind::kWgrad, detail16::Cooperative16, out>(args);   \
+  }                                                                                          \
+  }                                                                                          \
+  }
+#else
+#define LPMOE_DEFINE_GROUPED_16BIT_WGRAD_OUT(fn, element, out)                                \
+  namespace lpmoe {                                                                          \
+  namespace gemm {                                                                           \
+  cudaError_t fn(const GroupedGemmArgs&) { return cudaErrorNotSupported; }                   \
+  }                                                                                          \
   }
 #endif

@@ -27,11 +27,13 @@ struct Pingpong {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-template <bool Wgrad, class Schedule, class TileShape, class ClusterShape>
+// OutT: D's element type (void = fp32 for wgrad, bf16 otherwise).
+template <bool Wgrad, class Schedule, class TileShape, class ClusterShape, class OutT = void>
 struct Config8 {
   static constexpr bool kWgrad = Wgrad;
   using ElementA = cutlass::float_e4m3_t;
-  using ElementD = std::conditional_t<Wgrad, float, cutlass::bfloat16_t>;
+  using ElementD = std::conditional_t<!std::is_void_v<OutT>, OutT,
+                                      std::conditional_t<Wgrad, float, cutlass::bfloat16_t>>;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, Wgrad ? 1 : 128, 128>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
@@ -137,7 +139,7 @@ cudaError_t run8(const GroupedGemmArgs& args) {
   epilogue.thread.beta = acc ? args.beta : 0.0f;
   cudaError_t st = run_grouped<typename C::Gemm>(args, arr.shape, mainloop, epilogue);
   if (st != cudaSuccess || !C::kWgrad || acc) return st;
-  return zero_empty_wgrad(static_cast<float*>(args.d), args.rows, g, args.n, args.k, args.stream);
+  return zero_empty_wgrad(args.d, sizeof(typename C::ElementD), args.rows, g, args.n, args.k, args.stream);
 }
 
 // Tuning builds (-DLPMOE_GEMM_EXPERIMENTS) compile extra configurations and

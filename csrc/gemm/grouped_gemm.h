@@ -83,6 +83,8 @@ cudaError_t fp8_block_grouped_gemm_1x128_128x128(const GroupedGemmArgs& args);
 // FP8 block, wgrad: A = dy columnwise, B = x columnwise, both 1x128 along the
 // (per member 128-padded) token dim.  D is fp32, d = beta*d + dy^T x.
 cudaError_t fp8_block_grouped_gemm_wgrad(const GroupedGemmArgs& args);
+// The same writing bf16 D (beta = 1 accumulates into bf16).
+cudaError_t fp8_block_grouped_gemm_wgrad_bf16out(const GroupedGemmArgs& args);
 
 // 16-bit operands (one CUTLASS instantiation each).  fprop/dgrad write D in
 // the input dtype; wgrad writes fp32 (beta = 1 accumulates).
@@ -92,11 +94,13 @@ cudaError_t grouped_gemm_bf16_wgrad(const GroupedGemmArgs& args);
 cudaError_t grouped_gemm_fp16_fprop(const GroupedGemmArgs& args);
 cudaError_t grouped_gemm_fp16_dgrad(const GroupedGemmArgs& args);
 cudaError_t grouped_gemm_fp16_wgrad(const GroupedGemmArgs& args);
+cudaError_t grouped_gemm_bf16_wgrad_bf16out(const GroupedGemmArgs& args);  // bf16 dW
 
 // wgrad helper: zero dW_t of every member with M_t == 0 (the GEMM gives such
-// members no tiles).  fp32 (G, N, K).
-cudaError_t zero_empty_wgrad(float* d, const grouped::GroupRows& rows, int num_groups, int64_t n, int64_t k,
-                             cudaStream_t stream);
+// members no tiles).  (G, N, K) of elem_bytes-sized elements, N*K*elem_bytes
+// a multiple of 16.
+cudaError_t zero_empty_wgrad(void* d, size_t elem_bytes, const grouped::GroupRows& rows, int num_groups, int64_t n,
+                             int64_t k, cudaStream_t stream);
 
 // Row epilogue of a token-grouped (total_rows, n) output: rows below
 // rows.row[G] get y += bias[member] (fp32 math, one rounding), rows at or past

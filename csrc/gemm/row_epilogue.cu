@@ -47,13 +47,13 @@ __global__ void row_epilogue_kernel(T* y, const T* bias, grouped::GroupRows rows
   }
 }
 
-__global__ void zero_empty_kernel(float* d, grouped::GroupRows rows, int64_t nk) {
+// Member t's (N, K) block is `bytes` long, a multiple of 16.
+__global__ void zero_empty_kernel(char* d, grouped::GroupRows rows, int64_t bytes) {
   const int t = blockIdx.y;
   if (rows.row != nullptr && __ldg(rows.row + t + 1) != __ldg(rows.row + t)) return;
-  float4* p = reinterpret_cast<float4*>(d + int64_t(t) * nk);
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nk / 4; i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (blockIdx.x == 0 && threadIdx.x < (nk & 3)) d[int64_t(t) * nk + (nk & ~int64_t(3)) + threadIdx.x] = 0.0f;
+  uint4* p = reinterpret_cast<uint4*>(d + int64_t(t) * bytes);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < bytes / 16; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 }  // namespace
@@ -84,13 +84,14 @@ cudaError_t grouped_row_epilogue(void* y, const void* bias, int dtype, const gro
   return cudaGetLastError();
 }
 
-cudaError_t zero_empty_wgrad(float* d, const grouped::GroupRows& rows, int num_groups, int64_t n, int64_t k,
-                             cudaStream_t stream) {
-  const int64_t nk = n * k;
-  if (num_groups <= 0 || nk == 0) return cudaSuccess;
-  const int64_t vec_blocks = (nk / 4 + 255) / 256;
-  dim3 grid(unsigned(vec_blocks < 64 ? (vec_blocks > 0 ? vec_blocks : 1) : 64), unsigned(num_groups));
-  zero_empty_kernel<<<grid, 256, 0, stream>>>(d, rows, nk);
+cudaError_t zero_empty_wgrad(void* d, size_t elem_bytes, const grouped::GroupRows& rows, int num_groups, int64_t n,
+                             int64_t k, cudaStream_t stream) {
+  const int64_t bytes = n * k * int64_t(elem_bytes);
+  if (num_groups <= 0 || bytes == 0) return cudaSuccess;
+  if (bytes % 16) return cudaErrorInvalidValue;
+  const int64_t vec_blocks = (bytes / 16 + 255) / 256;
+  dim3 grid(unsigned(vec_blocks < 64 ? vec_blocks : 64), unsigned(num_groups));
+  zero_empty_kernel<<<grid, 256, 0, stream>>>(static_cast<char*>(d), rows, bytes);
   return cudaGetLastError();
 }
 

@@ -112,8 +112,15 @@ class WeightCache:
 
 
 def _stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(G*N, K) copy of the weights: the same-shape group layout quantizers take."""
-    n, k = weights[0].shape
+    """(G*N, K) weights: the same-shape group layout quantizers take.  A view
+    when the weights already sit back to back in one buffer (GroupedLinear's
+    parameters do), else a copy."""
+    w0 = weights[0]
+    n, k = w0.shape
+    step = n * k * w0.element_size()
+    if all(w.is_contiguous() and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+           and w.data_ptr() == w0.data_ptr() + i * step for i, w in enumerate(weights)):
+        return w0.detach().as_strided((len(weights) * n, k), (k, 1))
     return torch.stack(list(weights)).view(len(weights) * n, k)
 
 
@@ -414,7 +421,7 @@ class _GroupedLinear(torch.autograd.Function):
             if need_dgrad:
                 dgrad = grouped_gemm(qdy, w_b, kind="dgrad", m_splits=host)
             if need_wgrad:
-                wgrad = grouped_gemm(qdy, x_b, kind="wgrad", out_dtype=torch.float32, m_splits=host)
+                wgrad = grouped_gemm(qdy, x_b, kind="wgrad", out_dtype=ctx.dtype, m_splits=host)
         else:
             if isinstance(x_b, GroupedTensor):  # "dequantized" FP8: back to high precision
                 x_b = _dequantized(x_b, ctx.dtype)
@@ -429,7 +436,7 @@ class _GroupedLinear(torch.autograd.Function):
             if need_dgrad:
                 dgrad = grouped_gemm(dyg, w_b, kind="dgrad", m_splits=host)
             if need_wgrad:
-                wgrad = grouped_gemm(dyg, _tokens(x_b, splits.device), kind="wgrad", out_dtype=torch.float32,
+                wgrad = grouped_gemm(dyg, _tokens(x_b, splits.device), kind="wgrad", out_dtype=ctx.dtype,
                                      m_splits=host)
         if need_dbias and dbias is None:
             dbias = _bias_grad(dy, splits.device, host)

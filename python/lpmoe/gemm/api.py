@@ -281,7 +281,10 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None
         else:
             b_data, b_ptrs = ops.b_list[0], _ptr_table(ops)
     target = out
-    if ops.kind == "wgrad" and out.dtype != torch.float32:
+    # wgrad writes fp32, or bf16 directly for bf16/FP8 operands; other output
+    # dtypes go through an fp32 buffer.
+    direct = out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and (ops.fp8 or ops.dtype == torch.bfloat16))
+    if ops.kind == "wgrad" and not direct:
         target = out.float() if accumulate else torch.empty(out.shape, dtype=torch.float32, device=out.device)
     ws = gemm_workspace(ops.device, slot_for_kind(ops.kind))
     setup = setup_workspace(ops.device, g)
@@ -329,5 +332,8 @@ def _run_cublas(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None:
         else:
             b_addrs = [w.data_ptr() for w in ops.b_list]
     ws = gemm_workspace(ops.device, slot_for_kind(ops.kind))
+    w_e5m2 = False  # the binding only sees the weights' addresses
+    if ops.fp8 and ops.kind != "wgrad":
+        w_e5m2 = (b.rowwise_data if ops.kind == "fprop" else b.columnwise_data).dtype == torch.float8_e5m2
     ext().grouped_gemm_cublas(_KIND[ops.kind], fmt, a_data, a_scale, b_addrs, b_scale_addrs, b_tok, b_tok_scale,
-                              out, splits, n, k, 1.0 if accumulate else 0.0, ws)
+                              out, splits, n, k, 1.0 if accumulate else 0.0, ws, w_e5m2)

@@ -51,9 +51,13 @@ class GroupedLinear(torch.nn.Module):
         self.use_bias = bool(bias)
         self.params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
         self.init_method = init_method
+        # The G weights are views of one (G, out, in) buffer, so the FP8 path
+        # quantizes them as one same-shape group without stacking (a copy of
+        # every weight per step).  Anything that replaces the parameters
+        # (.to(), FSDP, ...) just falls back to stacking.
+        flat = torch.empty(num_gemms, out_features, in_features, dtype=self.params_dtype, device=device)
         for i in range(num_gemms):
-            w = torch.empty(out_features, in_features, dtype=self.params_dtype, device=device)
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(flat[i]))
             if self.use_bias:
                 b = torch.empty(out_features, dtype=self.params_dtype, device=device)
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(b))
