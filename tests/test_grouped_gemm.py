@@ -138,6 +138,7 @@ SPLITS = {
     "skewed": [900, 4, 0, 36],
     "one": [300],
     "g64": [(i * 37) % 97 for i in range(64)],
+    "odd_dims": [3, 130, 0, 61],
 }
 SPLITS_4 = {  # cuBLASLt FP8 needs multiples of 4
     "mixed": [0, 4, 132, 128, 256, 8, 0, 64],
@@ -145,6 +146,7 @@ SPLITS_4 = {  # cuBLASLt FP8 needs multiples of 4
     "skewed": [900, 4, 0, 36],
     "one": [300],
     "g64": [(i * 36) % 96 for i in range(64)],
+    "odd_dims": [4, 132, 0, 60],
 }
 
 
@@ -160,7 +162,9 @@ def _tol(out_dtype):
 def test_gpu_matches_reference(backend, fmt, kind, split_name):
     splits = (SPLITS_4 if (fmt == "fp8" and backend == "cublas") else SPLITS)[split_name]
     dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
-    k, n = (256, 384) if split_name != "g64" else (128, 256)
+    # odd_dims: K and N multiples of 16 but not of 128 (partial K-blocks and
+    # partial 128x128 weight-scale blocks)
+    k, n = {"g64": (128, 256), "odd_dims": (400, 272)}.get(split_name, (256, 384))
     ops, _ = make_case(splits, k, n, dtype, "cuda", fp8=fmt == "fp8", tail=3)
     a, b = ops[kind]
     out_dtype = torch.float32 if kind == "wgrad" else dtype

@@ -678,3 +678,13 @@ def test_cuda_errors_before_gpu_work():
     with pytest.raises(TypeError, match="fp32"):
         f32(x.float(), dev_splits)
     f32(x.float(), [64, 0, 0, 0])  # host path: cuBLASLt
+
+
+def test_fp8_block_on_a_non_hopper_gpu_names_the_alternative(monkeypatch):
+    import lpmoe.functional as fn
+
+    monkeypatch.setattr(fn, "_cuda_major", lambda device: 10)
+    splits = fn._Splits(torch.zeros(2, dtype=torch.int64), [0, 0])
+    with pytest.raises(RuntimeError, match="Hopper.*MXFP8BlockScaling"):
+        fn._check_recipe(Float8BlockScaling(), torch.bfloat16, 128, 128, splits, True, torch.device("cuda", 0))
+    fn._check_recipe(None, torch.bfloat16, 128, 128, splits, True, torch.device("cuda", 0))  # bf16 is fine

@@ -263,8 +263,19 @@ def _check_params(inp, weights, biases) -> Tuple[int, int, int]:
     return len(weights), n, k
 
 
-def _check_recipe(recipe, dtype, n: int, k: int, splits: _Splits, cuda: bool) -> None:
+def _cuda_major(device: torch.device) -> int:
+    """Compute-capability major of a CUDA device (host query, no sync)."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def _check_recipe(recipe, dtype, n: int, k: int, splits: _Splits, cuda: bool,
+                  device: Optional[torch.device] = None) -> None:
     graph_safe = splits.host is None
+    if cuda and isinstance(recipe, Float8BlockScaling) and _cuda_major(device) != 9:
+        raise RuntimeError(f"Float8BlockScaling needs Hopper (sm_90): its 1x128/128x128 FP8 GEMMs exist only "
+                           f"there (this GPU is sm_{_cuda_major(device)}x). On Blackwell the native FP8 "
+                           "recipe is MXFP8 (TransformerEngine); in lpmoe use MXFP8BlockScaling (numerics "
+                           "emulation) with host m_splits, or no recipe.")
     if recipe is not None and not isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)):
         raise TypeError(f"unsupported recipe {type(recipe).__name__}; use Float8BlockScaling, MXFP8BlockScaling "
                         "or NVFP4BlockScaling from lpmoe.recipe")
@@ -486,7 +497,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
         recipe = get_autocast_recipe()
     x2d = inp.reshape(-1, k)
     splits = _parse_splits(m_splits, g, x2d.shape[0], inp.device)
-    _check_recipe(recipe, inp.dtype, n, k, splits, inp.is_cuda)
+    _check_recipe(recipe, inp.dtype, n, k, splits, inp.is_cuda, inp.device)
     if is_first_microbatch not in (None, True, False):
         raise TypeError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
     if is_first_microbatch is not None and weight_cache is None:

@@ -112,7 +112,10 @@ def grouped_backend_support(ops: GemmOperands, out_dtype: torch.dtype) -> Option
     if ops.device.type != "cuda":
         return "operands are not on a CUDA device"
     if torch.cuda.get_device_capability(ops.device)[0] != 9:
-        return "the grouped kernels are built for sm_90 (Hopper)"
+        if ops.fp8:
+            return ("FP8 block scaling GEMMs need Hopper (sm_90); on Blackwell use the MXFP8 recipe "
+                    "(TransformerEngine) or bf16")
+        return "the grouped kernels are built for sm_90 (Hopper); use backend='cublas' or torch._grouped_mm"
     if ops.n % 16 or ops.k % 16:
         return f"N and K must be multiples of 16 (got N={ops.n}, K={ops.k})"
     if ops.fp8:
