@@ -49,3 +49,15 @@ def write_summary(path, rows):
         with open(path, "w") as f:
             for name, value in rows:
                 f.write(f"{name}|{value}\n")
+
+
+def splits_for(g: int, tokens: int, skewed: bool):
+    """Expert splits, multiples of 128: uniform, or skewed (half of the tokens
+    to expert 0, the rest spread evenly)."""
+    if not skewed:
+        return [tokens // g] * g
+    big = tokens // 2 // 128 * 128
+    rest = (tokens - big) // (g - 1) // 128 * 128
+    s = [big] + [rest] * (g - 1)
+    s[0] += tokens - sum(s)
+    return s

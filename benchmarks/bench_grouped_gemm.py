@@ -18,7 +18,7 @@ import torch
 import lpmoe
 from lpmoe import Float8BlockQuantizer, GroupedTensor
 
-from _common import median_ms, parser, write_summary
+from _common import median_ms, parser, splits_for, write_summary
 
 Q1 = Float8BlockQuantizer(block_dim=1)
 Q2 = Float8BlockQuantizer(block_dim=2)
@@ -33,20 +33,26 @@ SHAPES = [
 ]
 
 
-def splits_for(g: int, tokens: int, skewed: bool):
-    if not skewed:
-        return [tokens // g] * g
-    big = tokens // 2 // 128 * 128
-    rest = (tokens - big) // (g - 1) // 128 * 128
-    s = [big] + [rest] * (g - 1)
-    s[0] += tokens - sum(s)
-    return s
-
-
 def grouped(t, splits):
     m = torch.tensor(splits, device="cuda")
     return GroupedTensor(num_tensors=len(splits), logical_shape=tuple(t.shape), dtype=t.dtype,
                          rowwise_data=t.view(-1), first_dims=m)
+
+
+def make_operands(k, n, g, splits):
+    """(a, b) of each kind, FP8 block and bf16, plus the bf16 tensors."""
+    rows = sum(splits)
+    first = torch.tensor(splits, device="cuda")
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    dy = torch.randn(rows, n, device="cuda").bfloat16()
+    w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
+    xq = lpmoe.group_quantize(x, Q1, num_tensors=g, first_dims=first)
+    dyq = lpmoe.group_quantize(dy, Q1, num_tensors=g, first_dims=first)
+    wq = lpmoe.group_quantize(w.view(g * n, k), Q2, num_tensors=g)
+    xg, dyg = grouped(x, splits), grouped(dy, splits)
+    return {"hp": (x, dy, w),
+            "fp8": {"fprop": (xq, wq), "dgrad": (dyq, wq), "wgrad": (dyq, xq)},
+            "bf16": {"fprop": (xg, w), "dgrad": (dyg, w), "wgrad": (dyg, xg)}}
 
 
 def tflops(flops, ms):
@@ -65,20 +71,13 @@ def safe(fn):
 def run_case(name, k, n, g, tokens, skewed, kinds):
     splits = splits_for(g, tokens, skewed)
     rows = sum(splits)
-    first = torch.tensor(splits, device="cuda")
-    offs = torch.cumsum(first, 0).to(torch.int32)
-    x = torch.randn(rows, k, device="cuda").bfloat16()
-    dy = torch.randn(rows, n, device="cuda").bfloat16()
-    w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
-    xq = lpmoe.group_quantize(x, Q1, num_tensors=g, first_dims=first)
-    dyq = lpmoe.group_quantize(dy, Q1, num_tensors=g, first_dims=first)
-    wq = lpmoe.group_quantize(w.view(g * n, k), Q2, num_tensors=g)
-    xg, dyg = grouped(x, splits), grouped(dy, splits)
+    offs = torch.cumsum(torch.tensor(splits, device="cuda"), 0).to(torch.int32)
+    ops = make_operands(k, n, g, splits)
+    x, dy, w = ops["hp"]
     flops = 2.0 * rows * n * k
     out = {}
     for kind in kinds:
-        fa, fb = {"fprop": (xq, wq), "dgrad": (dyq, wq), "wgrad": (dyq, xq)}[kind]
-        ba, bb = {"fprop": (xg, w), "dgrad": (dyg, w), "wgrad": (dyg, xg)}[kind]
+        (fa, fb), (ba, bb) = ops["fp8"][kind], ops["bf16"][kind]
         res = {
             "fp8 grp": safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="grouped")),
             "fp8 cublas": safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="cublas", m_splits=splits)),
@@ -115,19 +114,10 @@ def sweep(variants):
     cases = [("dsv3-up", 8, 32768), ("qwen3-up", 32, 16384), ("qwen3-up", 64, 4096)]
     for name, g, tokens in cases:
         k, n = next((k, n) for s, k, n in SHAPES if s == name)
-        splits = splits_for(g, tokens, False)
-        first = torch.tensor(splits, device="cuda")
-        x = torch.randn(tokens, k, device="cuda").bfloat16()
-        dy = torch.randn(tokens, n, device="cuda").bfloat16()
-        w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
-        xq = lpmoe.group_quantize(x, Q1, num_tensors=g, first_dims=first)
-        dyq = lpmoe.group_quantize(dy, Q1, num_tensors=g, first_dims=first)
-        wq = lpmoe.group_quantize(w.view(g * n, k), Q2, num_tensors=g)
-        xg, dyg = grouped(x, splits), grouped(dy, splits)
+        ops = make_operands(k, n, g, splits_for(g, tokens, False))
         flops = 2.0 * tokens * n * k
         for kind in ("fprop", "dgrad", "wgrad"):
-            fa, fb = {"fprop": (xq, wq), "dgrad": (dyq, wq), "wgrad": (dyq, xq)}[kind]
-            ba, bb = {"fprop": (xg, w), "dgrad": (dyg, w), "wgrad": (dyg, xg)}[kind]
+            (fa, fb), (ba, bb) = ops["fp8"][kind], ops["bf16"][kind]
             cells = []
             for v in variants:
                 os.environ["LPMOE_GEMM_VARIANT"] = v

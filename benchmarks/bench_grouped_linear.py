@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import lpmoe
 from lpmoe.recipe import Float8BlockScaling
 
-from _common import median_ms, parser, write_summary
+from _common import median_ms, parser, splits_for, write_summary
 
 HIDDEN, FFN = 7168, 2048
 
@@ -51,16 +51,6 @@ class LoopMLP(torch.nn.Module):
             a, b = self.fc1[i](xi).chunk(2, dim=-1)
             outs.append(self.fc2[i](F.silu(a) * b))
         return torch.cat(outs)
-
-
-def splits_for(g, tokens, skewed):
-    if not skewed:
-        return [tokens // g] * g
-    big = tokens // 2 // 128 * 128
-    rest = (tokens - big) // (g - 1) // 128 * 128
-    s = [big] + [rest] * (g - 1)
-    s[0] += tokens - sum(s)
-    return s
 
 
 def time_step(step):

@@ -12,6 +12,8 @@ from typing import Tuple, Union
 
 import torch
 
+from lpmoe._value_fields import ValueFields
+
 __all__ = [
     "Quantizer",
     "Float8BlockQuantizer",
@@ -52,7 +54,7 @@ def _check_shape(shape) -> Tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
-class Quantizer:
+class Quantizer(ValueFields):
     """Base class: direction flags and shape queries."""
 
     #: format name used in errors and reprs
@@ -83,15 +85,6 @@ class Quantizer:
     def _fields(self):
         return {"rowwise": self.rowwise, "columnwise": self.columnwise}
 
-    def __eq__(self, other):
-        return type(self) is type(other) and self._fields() == other._fields()
-
-    def __hash__(self):
-        return hash((type(self).__name__, tuple(sorted((k, str(v)) for k, v in self._fields().items()))))
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self._fields().items())
-        return f"{type(self).__name__}({args})"
 
 
 class Float8BlockQuantizer(Quantizer):

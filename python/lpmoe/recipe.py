@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from lpmoe._value_fields import ValueFields
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 
 __all__ = ["Format", "Recipe", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling", "ROLES",
@@ -65,7 +66,7 @@ def _check_role(role: str) -> None:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
-class Recipe:
+class Recipe(ValueFields):
     """Base class of lpmoe recipes (see the module docstring)."""
 
     #: True when lpmoe runs the recipe's GEMMs natively on Hopper, False when
@@ -85,15 +86,6 @@ class Recipe:
     def _fields(self) -> dict:
         return {"backward_override": self.backward_override}
 
-    def __eq__(self, other):
-        return type(self) is type(other) and self._fields() == other._fields()
-
-    def __hash__(self):
-        return hash((type(self).__name__, tuple(sorted((k, str(v)) for k, v in self._fields().items()))))
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self._fields().items())
-        return f"{type(self).__name__}({args})"
 
 
 class Float8BlockScaling(Recipe):

@@ -239,6 +239,19 @@ def _weight_scales(ops: GemmOperands, layout: str) -> Tuple[torch.Tensor, int]:
     return dst.view(-1), col_member
 
 
+def _fp8_weight_operand(ops: GemmOperands, scale_layout: str):
+    """FP8 weights as a GEMM reads them: (data, elements per member, scales,
+    scale elements per member).  fprop reads the rowwise (N, K) copy, dgrad
+    the transposed (K, round_up(N,128)) copy; the scale layout is the
+    backend's choice (see _weight_scales)."""
+    b, n, k = ops.b_grouped, ops.n, ops.k
+    if ops.kind == "fprop":
+        data, member = b.rowwise_data, n * k
+    else:
+        data, member = b.columnwise_data, k * _rup(n, 128)
+    return (data, member) + _weight_scales(ops, scale_layout)
+
+
 def _ptr_table(ops: GemmOperands) -> torch.Tensor:
     """Device array of the discrete weights' addresses, cached per address
     tuple (parameters do not move, so a step builds it once, outside any
@@ -266,14 +279,11 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None
         if ops.kind == "wgrad":
             a_data, a_scale = a.columnwise_data, a.columnwise_scale_inv
             b_data, b_scale = b.columnwise_data, b.columnwise_scale_inv
-        elif ops.kind == "fprop":
-            a_data, a_scale = a.rowwise_data, a.scale_inv
-            b_data, b_member = b.rowwise_data, n * k
-            b_scale, b_scale_member = _weight_scales(ops, "colwise")
         else:
+            # each GEMM reads the 128x128 scales that are MN-major for it
             a_data, a_scale = a.rowwise_data, a.scale_inv
-            b_data, b_member = b.columnwise_data, k * _rup(n, 128)
-            b_scale, b_scale_member = _weight_scales(ops, "rowwise")
+            b_data, b_member, b_scale, b_scale_member = _fp8_weight_operand(
+                ops, "colwise" if ops.kind == "fprop" else "rowwise")
     else:
         fmt = _FMT[ops.dtype]
         a_data = a.rowwise_data
@@ -316,12 +326,8 @@ def _run_cublas(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None:
             b_tok, b_tok_scale = b.columnwise_data, b.columnwise_scale_inv
         else:
             a_data, a_scale = a.rowwise_data, a.scale_inv
-            if ops.kind == "fprop":
-                data, member = b.rowwise_data, n * k
-                scales, smember = _weight_scales(ops, "rowwise")
-            else:
-                data, member = b.columnwise_data, k * _rup(n, 128)
-                scales, smember = _weight_scales(ops, "colwise")
+            # cuBLASLt's BLK128x128 layout is K-major: the other buffer of each pair
+            data, member, scales, smember = _fp8_weight_operand(ops, "rowwise" if ops.kind == "fprop" else "colwise")
             b_addrs = [data.data_ptr() + t * member for t in range(g)]
             b_scale_addrs = [scales.data_ptr() + 4 * t * smember for t in range(g)]
     else:
