@@ -30,7 +30,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 
-src_hash=$( (cat setup.py; find csrc -type f | sort | xargs cat) | sha256sum | cut -c1-16)
+src_hash=$( (cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat) | sha256sum | cut -c1-16)
 t0=$(date +%s)
 so_glob="python/lpmoe/_C*.so"
 if ls .build_carry/_C*.so >/dev/null 2>&1 && [ "$(cat .build_carry/SRC_HASH 2>/dev/null)" = "$src_hash" ]; then
@@ -50,7 +50,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 rc=0
 if [ "$RUN_TESTS" = 1 ]; then
-  PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider ${LPMOE_TESTS:-tests} --maxfail=25 2>&1 | tee "$OUT/pytest.log" | tail -25
+  PYTHONPATH=python python3 -m pytest -q -rfE -p no:cacheprovider ${LPMOE_TESTS:-tests} --maxfail=25 2>&1 | tee "$OUT/pytest.log" | tail -25
   rc=${PIPESTATUS[0]}
   summary+=("tests|$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/pytest.log" | tail -1)")
 fi
