@@ -21,6 +21,6 @@ for _ in range(2):  # the second call of each is profiled
 torch.cuda.synchronize()
 PY
 PYTHONPATH=python ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-  --section Occupancy --launch-skip 2 --launch-count 2 -k regex:"GemmUniversal" python3 /tmp/lpmoe_gemm_prof.py \
+  --section Occupancy --launch-skip 2 --launch-count 2 -k regex:"device_kernel" python3 /tmp/lpmoe_gemm_prof.py \
   > "$OUT/ncu_gemm.txt" 2>&1
-grep -E "GemmUniversal|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Executed Ipc|Stall|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Tensor|pipe" "$OUT/ncu_gemm.txt" | cut -c1-160 | head -80
+grep -E "device_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Executed Ipc|Stall|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Tensor|pipe" "$OUT/ncu_gemm.txt" | cut -c1-160 | head -80
