@@ -144,3 +144,15 @@ def test_cuda_expert_mlp_fp8_close_to_bf16():
     with lpmoe.autocast(recipe=Float8BlockScaling()):
         lp = mlp(x, splits)
     assert rel(lp, hp) < 0.1  # two quantized GEMMs
+
+
+def test_gating_does_not_depend_on_the_subclass_forward():
+    class Doubler(lpmoe.ops.BasicOperation):  # forward never asks for the recipe
+        def forward(self, x):
+            return 2 * x
+
+    x = torch.ones(4, 8)
+    assert torch.equal(Doubler()(x), 2 * x)
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        with pytest.raises(NotImplementedError, match="Doubler.*Float8BlockScaling"):
+            Doubler()(x)

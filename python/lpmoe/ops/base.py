@@ -25,6 +25,11 @@ class BasicOperation(torch.nn.Module):
     #: forward takes (x, m_splits) rather than (x,)
     takes_m_splits = False
 
+    def __call__(self, *args, **kwargs):
+        # Gate every call, whether or not a subclass's forward asks.
+        self.active_recipe()
+        return super().__call__(*args, **kwargs)
+
     def active_recipe(self) -> Optional[Recipe]:
         """The active autocast recipe, after checking this op supports it."""
         recipe = get_autocast_recipe()
