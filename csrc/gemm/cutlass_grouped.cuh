@@ -11,6 +11,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -164,6 +166,13 @@ cudaError_t run_grouped(const GroupedGemmArgs& args, ShapeMNK* shapes, Mainloop_
     return cudaErrorUnknown;
   if (gemm.run(args.stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
   return cudaGetLastError();
+}
+
+// Tuning builds (-DLPMOE_GEMM_EXPERIMENTS) compile extra configurations and
+// pick one with LPMOE_GEMM_VARIANT=<name>; release builds have one each.
+inline bool variant_is(const char* name) {
+  const char* v = std::getenv("LPMOE_GEMM_VARIANT");
+  return v != nullptr && std::strcmp(v, name) == 0;
 }
 
 __device__ inline int64_t member_rows(const int64_t* prefix, int t) { return prefix[t + 1] - prefix[t]; }

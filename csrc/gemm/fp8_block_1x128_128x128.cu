@@ -19,8 +19,8 @@ using PP64 = detail8::Config8<false, detail8::Pingpong, Shape<_64, _128, _128>, 
 
 cudaError_t fp8_block_grouped_gemm_1x128_128x128(const GroupedGemmArgs& args) {
 #ifdef LPMOE_GEMM_EXPERIMENTS
-  if (detail8::variant_is("pp")) return detail8::run8<PP>(args);
-  if (detail8::variant_is("pp64")) return detail8::run8<PP64>(args);
+  if (variant_is("pp")) return detail8::run8<PP>(args);
+  if (variant_is("pp64")) return detail8::run8<PP64>(args);
 #endif
   return detail8::run8<Chosen>(args);
 }

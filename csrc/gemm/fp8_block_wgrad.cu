@@ -23,7 +23,7 @@ using Coop = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _128
 
 cudaError_t fp8_block_grouped_gemm_wgrad(const GroupedGemmArgs& args) {
 #ifdef LPMOE_GEMM_EXPERIMENTS
-  if (detail8::variant_is("coop")) return detail8::run8<Coop>(args);
+  if (variant_is("coop")) return detail8::run8<Coop>(args);
 #endif
   return detail8::run8<Chosen>(args);
 }

@@ -8,9 +8,6 @@
 // so any M_t works.
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
-
 #include "gemm/cutlass_grouped.cuh"
 
 namespace lpmoe {
@@ -133,9 +130,7 @@ cudaError_t run16(const GroupedGemmArgs& args) {
   namespace lpmoe {                                                                         \
   namespace gemm {                                                                          \
   cudaError_t fn(const GroupedGemmArgs& args) {                                             \
-    const char* v = std::getenv("LPMOE_GEMM_VARIANT");                                      \
-    if (v != nullptr && std::strcmp(v, "pp16") == 0)                                        \
-      return detail16::run16<element, kind, detail16::Pingpong16>(args);                    \
+    if (variant_is("pp16")) return detail16::run16<element, kind, detail16::Pingpong16>(args); \
     return detail16::run16<element, kind>(args);                                            \
   }                                                                                         \
   }                                                                                         \

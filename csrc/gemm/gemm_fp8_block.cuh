@@ -5,9 +5,6 @@
 // scales keep lpmoe's padded leading dimension (PaddedScaleMainloop).
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
-
 #include "gemm/cutlass_grouped.cuh"
 
 namespace lpmoe {
@@ -140,13 +137,6 @@ cudaError_t run8(const GroupedGemmArgs& args) {
   cudaError_t st = run_grouped<typename C::Gemm>(args, arr.shape, mainloop, epilogue);
   if (st != cudaSuccess || !C::kWgrad || acc) return st;
   return zero_empty_wgrad(args.d, sizeof(typename C::ElementD), args.rows, g, args.n, args.k, args.stream);
-}
-
-// Tuning builds (-DLPMOE_GEMM_EXPERIMENTS) compile extra configurations and
-// pick one with LPMOE_GEMM_VARIANT=<name>; release builds have one each.
-inline bool variant_is(const char* name) {
-  const char* v = std::getenv("LPMOE_GEMM_VARIANT");
-  return v != nullptr && std::strcmp(v, name) == 0;
 }
 
 }  // namespace detail8

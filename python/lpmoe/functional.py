@@ -162,16 +162,6 @@ def _tokens(x2d: torch.Tensor, splits: torch.Tensor) -> GroupedTensor:
                          rowwise_data=x2d.view(-1), first_dims=splits)
 
 
-def _columnwise_only(qg: GroupedTensor) -> GroupedTensor:
-    """A view of a quantized group without its rowwise copy, so the backward
-    keeps only what wgrad reads (the forward's rowwise buffer can be freed)."""
-    return GroupedTensor(num_tensors=qg.num_tensors, logical_shape=qg.logical_shape, dtype=qg.dtype,
-                         quantizer=qg.quantizer.copy(rowwise=False, columnwise=True),
-                         columnwise_data=qg.columnwise_data, columnwise_scale_inv=qg.columnwise_scale_inv,
-                         first_dims=qg.first_dims, tensor_offsets=qg.tensor_offsets,
-                         padded_row_offsets=qg.padded_row_offsets, _trusted_offsets=True)
-
-
 def _dequantized(qg: GroupedTensor, dtype: torch.dtype) -> torch.Tensor:
     """(rows, K) high-precision values of a quantized group (rowwise copy)."""
     return group_dequantize(qg, dtype).rowwise_data.view(qg.logical_shape)
@@ -394,7 +384,7 @@ class _GroupedLinear(torch.autograd.Function):
             elif override == "dequantized":
                 x_bwd, w_bwd = qx, qw  # dequantized in backward, only if needed
             else:
-                x_bwd = _columnwise_only(qx) if need_wgrad else None
+                x_bwd = qx.direction_view(columnwise=True) if need_wgrad else None  # wgrad reads only this
                 w_bwd = qw
         else:
             x_hat = _fake_quantize(x2d, recipe.quantizer("input", rowwise=True, columnwise=False),

@@ -386,6 +386,25 @@ class GroupedTensor:
         return cls(num_tensors=num_tensors, logical_shape=(rows, k), dtype=dtype, quantizer=quantizer,
                    first_dims=first_dims, with_gemm_swizzled_scales=swz, **bufs)
 
+    def direction_view(self, columnwise: bool) -> "GroupedTensor":
+        """The same quantized group holding only its rowwise or only its
+        columnwise copy (shared buffers and metadata, no copy, no launch):
+        what consumers pass on when they need exactly one direction."""
+        if not self.is_quantized:
+            raise TypeError("direction_view needs a quantized GroupedTensor")
+        have = self.columnwise_data if columnwise else self.rowwise_data
+        if have is None:
+            raise ValueError(f"this group has no {'columnwise' if columnwise else 'rowwise'} copy")
+        bufs = ({"columnwise_data": self.columnwise_data, "columnwise_scale_inv": self.columnwise_scale_inv,
+                 "columnwise_amax": self.columnwise_amax} if columnwise else
+                {"rowwise_data": self.rowwise_data, "scale_inv": self.scale_inv})
+        return GroupedTensor(num_tensors=self.num_tensors, logical_shape=self.logical_shape, dtype=self.dtype,
+                             quantizer=self.quantizer.copy(rowwise=not columnwise, columnwise=columnwise),
+                             amax=self.amax, first_dims=self.first_dims, last_dims=self.last_dims,
+                             tensor_offsets=self.tensor_offsets, padded_row_offsets=self.padded_row_offsets,
+                             with_gemm_swizzled_scales=self.with_gemm_swizzled_scales, _trusted_offsets=True,
+                             **bufs)
+
     # ------------------------------------------------------------ host views
     def member_shapes(self) -> List[Tuple[int, int]]:
         """Per-member (M_t, K_t).  Reads device dims: **host sync**."""

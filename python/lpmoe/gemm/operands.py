@@ -59,7 +59,7 @@ def _fp8_role(g: GroupedTensor, name: str, block_dim: int, need: str) -> None:
                          f"{need}=True")
 
 
-def _weights(b, kind: str, g: int, name: str = "b"):
+def _weights(b, g: int, name: str = "b"):
     """-> (grouped, list, n, k)."""
     if isinstance(b, GroupedTensor):
         if b.shape_kind is not ShapeKind.SAME_SHAPE or b.num_tensors != g:
@@ -109,16 +109,15 @@ def parse_operands(a, b, kind: str, m_splits: Optional[Sequence[int]] = None) ->
                              f"{b.logical_shape[0]}")
         bg, bl, n, k = b, None, a_cols, b.logical_shape[1]
     else:
-        bg, bl, n, k = _weights(b, kind, g)
+        bg, bl, n, k = _weights(b, g)
         want = k if kind == "fprop" else n
         if a_cols != want:
             what = "K (in_features)" if kind == "fprop" else "N (out_features)"
             raise ValueError(f"{kind}: `a` has {a_cols} columns but the weights' {what} is {want}")
 
     dev = a.device
-    for name, t in (("b", bg), ):
-        if t is not None and t.device != dev:
-            raise ValueError(f"`{name}` is on {t.device} but `a` is on {dev}")
+    if bg is not None and bg.device != dev:
+        raise ValueError(f"`b` is on {bg.device} but `a` is on {dev}")
     if bl is not None and bl[0].device != dev:
         raise ValueError(f"`b` is on {bl[0].device} but `a` is on {dev}")
 

@@ -19,24 +19,11 @@ __all__ = ["reference_grouped_gemm", "dequantized_members"]
 
 def _dequantize_grouped(g, columnwise: bool) -> torch.Tensor:
     """(rows, K) float64 values of a token- or weight-grouped operand."""
-    from lpmoe.grouped_tensor import GroupedTensor
     from lpmoe.quantize import group_dequantize
 
     if not g.is_quantized:
         return g.rowwise_data.view(g.logical_shape).to(torch.float64)
-    q = g.quantizer
-    if columnwise:
-        view = GroupedTensor(num_tensors=g.num_tensors, logical_shape=g.logical_shape, dtype=g.dtype,
-                             quantizer=q.copy(rowwise=False, columnwise=True),
-                             columnwise_data=g.columnwise_data, columnwise_scale_inv=g.columnwise_scale_inv,
-                             first_dims=g.first_dims, tensor_offsets=g.tensor_offsets,
-                             padded_row_offsets=g.padded_row_offsets, _trusted_offsets=True)
-    else:
-        view = GroupedTensor(num_tensors=g.num_tensors, logical_shape=g.logical_shape, dtype=g.dtype,
-                             quantizer=q.copy(rowwise=True, columnwise=False),
-                             rowwise_data=g.rowwise_data, scale_inv=g.scale_inv,
-                             first_dims=g.first_dims, tensor_offsets=g.tensor_offsets,
-                             padded_row_offsets=g.padded_row_offsets, _trusted_offsets=True)
+    view = g.direction_view(columnwise)
     deq = group_dequantize(view, torch.float32)
     return deq.rowwise_data.view(g.logical_shape).to(torch.float64)
 
