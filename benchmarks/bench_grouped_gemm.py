@@ -106,34 +106,44 @@ def run_case(name, k, n, g, tokens, skewed, kinds):
     return out
 
 
-def sweep(variants):
-    """Tuning builds (-DLPMOE_GEMM_EXPERIMENTS): time the grouped kernels of
-    each compiled configuration (LPMOE_GEMM_VARIANT) on a few shapes."""
+def sweep(variants, kinds=("fprop", "dgrad", "wgrad")):
+    """Tuning builds (-DLPMOE_GEMM_EXPERIMENTS): time the grouped FP8 kernels
+    of each compiled configuration (LPMOE_GEMM_VARIANT) on a few shapes,
+    beside the cuBLASLt per-expert loop of the same run."""
     import os
 
-    cases = [("dsv3-up", 8, 32768), ("qwen3-up", 32, 16384), ("qwen3-up", 64, 4096)]
+    cases = [("dsv3-up", 8, 32768), ("dsv3-down", 8, 32768), ("mixtral-up", 8, 16384), ("qwen3-up", 32, 16384),
+             ("qwen3-up", 64, 4096)]
     for name, g, tokens in cases:
         k, n = next((k, n) for s, k, n in SHAPES if s == name)
-        ops = make_operands(k, n, g, splits_for(g, tokens, False))
+        splits = splits_for(g, tokens, False)
+        ops = make_operands(k, n, g, splits)
         flops = 2.0 * tokens * n * k
-        for kind in ("fprop", "dgrad", "wgrad"):
-            (fa, fb), (ba, bb) = ops["fp8"][kind], ops["bf16"][kind]
-            cells = []
+        for kind in kinds:
+            fa, fb = ops["fp8"][kind]
+            ref = tflops(flops, safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="cublas", m_splits=splits)))
+            cells = [f"cublas {ref:6.1f}"]
             for v in variants:
-                os.environ["LPMOE_GEMM_VARIANT"] = v
+                # "name+sw4+rN": configuration name, tile swizzle 4, raster along N
+                name_v, *knobs = v.split("+")
+                os.environ["LPMOE_GEMM_VARIANT"] = name_v
+                for kn in knobs:
+                    key = "LPMOE_GEMM_SWIZZLE" if kn.startswith("sw") else "LPMOE_GEMM_RASTER"
+                    os.environ[key] = kn[2:] if kn.startswith("sw") else kn[1:]
                 f8 = tflops(flops, safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="grouped")))
-                b16 = tflops(flops, safe(lambda: lpmoe.grouped_gemm(ba, bb, kind=kind, backend="grouped")))
-                cells.append(f"{v or 'default'}: fp8 {f8:6.1f} bf16 {b16:6.1f}")
-            os.environ.pop("LPMOE_GEMM_VARIANT", None)
+                cells.append(f"{v or 'default'} {f8:6.1f} ({f8 / ref:4.2f})")
+                for key in ("LPMOE_GEMM_VARIANT", "LPMOE_GEMM_SWIZZLE", "LPMOE_GEMM_RASTER"):
+                    os.environ.pop(key, None)
             print(f"sweep {name:10s} g={g:2d} tok={tokens:6d} {kind:5s} | " + " | ".join(cells), flush=True)
 
 
 def main():
     p = parser(__doc__)
     p.add_argument("--sweep", default=None, help="comma-separated LPMOE_GEMM_VARIANT names ('' = default)")
+    p.add_argument("--kinds", default="fprop,dgrad,wgrad", help="GEMM kinds of --sweep")
     args = p.parse_args()
     if args.sweep is not None:
-        sweep(args.sweep.split(","))
+        sweep(args.sweep.split(","), args.kinds.split(","))
         return
     torch.manual_seed(0)
     print(f"device {torch.cuda.get_device_name()}  (TFLOP/s; median of 7 samples x 5 calls)")

@@ -157,8 +157,15 @@ cudaError_t run_grouped(const GroupedGemmArgs& args, ShapeMNK* shapes, Mainloop_
                                      mainloop,
                                      epilogue,
                                      hw};
-  arguments.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  arguments.scheduler.raster_order = Raster::Heuristic;
   arguments.scheduler.max_swizzle_size = 1;
+#ifdef LPMOE_GEMM_EXPERIMENTS
+  // Tile order knobs of the tuning build: LPMOE_GEMM_SWIZZLE=<1|2|4|8>, LPMOE_GEMM_RASTER=<M|N>.
+  if (const char* sw = std::getenv("LPMOE_GEMM_SWIZZLE")) arguments.scheduler.max_swizzle_size = std::atoi(sw);
+  if (const char* r = std::getenv("LPMOE_GEMM_RASTER"))
+    arguments.scheduler.raster_order = r[0] == 'M' ? Raster::AlongM : r[0] == 'N' ? Raster::AlongN : Raster::Heuristic;
+#endif
   Gemm gemm;
   if (Gemm::get_workspace_size(arguments) > args.workspace_bytes) return cudaErrorInvalidValue;
   if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;

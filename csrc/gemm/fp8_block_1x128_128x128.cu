@@ -1,6 +1,7 @@
 // FP8 block-scaled grouped GEMM, 1x128 activations x 128x128 weights (fprop
 // and dgrad), bf16 out: one CUTLASS instantiation (see gemm_fp8_block.cuh).
 #include "gemm/gemm_fp8_block.cuh"
+#include "gemm_tuning/tuning.h"
 
 namespace lpmoe {
 namespace gemm {
@@ -11,16 +12,12 @@ using namespace cute;
 // Cooperative 128x128x128: pingpong measured 0.3x (128-row tiles)
 // and 0.63-0.74x (64-row tiles) of it on DSV3 shapes.
 using Chosen = detail8::Config8<false, detail8::Cooperative, Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
-#ifdef LPMOE_GEMM_EXPERIMENTS
-using PP = detail8::Config8<false, detail8::Pingpong, Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
-using PP64 = detail8::Config8<false, detail8::Pingpong, Shape<_64, _128, _128>, Shape<_1, _2, _1>>;
-#endif
 }  // namespace
 
 cudaError_t fp8_block_grouped_gemm_1x128_128x128(const GroupedGemmArgs& args) {
 #ifdef LPMOE_GEMM_EXPERIMENTS
-  if (variant_is("pp")) return detail8::run8<PP>(args);
-  if (variant_is("pp64")) return detail8::run8<PP64>(args);
+  cudaError_t st;
+  if (tuning::run_fp8_variant(args, &st)) return st;
 #endif
   return detail8::run8<Chosen>(args);
 }

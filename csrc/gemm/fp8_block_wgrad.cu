@@ -10,21 +10,16 @@ namespace gemm {
 #if LPMOE_HAS_SM90_GROUPED
 namespace {
 using namespace cute;
-// Pingpong with 64-row tiles: one warpgroup's per-128-token promotion (two
-// scales per accumulator, granularity 1x1x128) overlaps the other's MMAs;
-// measured 1.12x the cooperative 128x128 kernel on DSV3 shapes (sweep in
-// docs/gemm-notes.md).  128-row pingpong tiles ran at ~1/3 the speed
-// (presumably register pressure: two 128x128 fp32 accumulators per thread set).
-using Chosen = detail8::Config8<true, detail8::Pingpong, Shape<_64, _128, _128>, Shape<_1, _2, _1>>;
-#ifdef LPMOE_GEMM_EXPERIMENTS
-using Coop = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
-#endif
+// Cooperative 128x128x128, cluster 1x2 (as fprop).  Both operands carry a
+// scale per row per 128 tokens, so each K block ends with a two-factor
+// promotion; the two consumer warpgroups of the cooperative schedule
+// overlap one's promotion with the other's MMAs, and the 128x128 tile reads
+// half the operand bytes per FLOP of a 64x128 pingpong tile, which starved on
+// L2 bandwidth (0.67-0.82 of this kernel; sweep in docs/gemm-notes.md).
+using Chosen = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
 }  // namespace
 
 cudaError_t fp8_block_grouped_gemm_wgrad(const GroupedGemmArgs& args) {
-#ifdef LPMOE_GEMM_EXPERIMENTS
-  if (variant_is("coop")) return detail8::run8<Coop>(args);
-#endif
   return detail8::run8<Chosen>(args);
 }
 #else

@@ -1,0 +1,41 @@
+// Name -> configuration table of the tuning build (see tuning.h).
+#ifdef LPMOE_GEMM_EXPERIMENTS
+#include <cstdlib>
+#include <cstring>
+
+#include "gemm_tuning/tuning.h"
+
+namespace lpmoe::gemm::tuning {
+// wgrad: the previous release choice (pingpong 64x128, cluster 1x2) and a
+// 2x1 cluster of the cooperative 128x128 kernel; fprop/dgrad: 2x1 cluster.
+cudaError_t wgrad_pp(const GroupedGemmArgs&);
+cudaError_t wgrad_coop21(const GroupedGemmArgs&);
+cudaError_t fwd_coop21(const GroupedGemmArgs&);
+
+namespace {
+struct Entry {
+  const char* name;
+  bool wgrad;
+  cudaError_t (*run)(const GroupedGemmArgs&);
+};
+constexpr Entry kEntries[] = {
+    {"pp", true, wgrad_pp},
+    {"coop21", true, wgrad_coop21},
+    {"coop21", false, fwd_coop21},
+};
+}  // namespace
+
+bool run_fp8_variant(const GroupedGemmArgs& args, cudaError_t* status) {
+  const char* v = std::getenv("LPMOE_GEMM_VARIANT");
+  if (v == nullptr) return false;
+  const bool wgrad = args.kind == GemmKind::kWgrad;
+  for (const Entry& e : kEntries) {
+    if (e.wgrad == wgrad && std::strcmp(e.name, v) == 0) {
+      *status = e.run(args);
+      return true;
+    }
+  }
+  return false;
+}
+}  // namespace lpmoe::gemm::tuning
+#endif
