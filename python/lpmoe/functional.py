@@ -253,6 +253,68 @@ def _check_params(inp, weights, biases) -> Tuple[int, int, int]:
     return len(weights), n, k
 
 
+def _check_main_grads(weights) -> None:
+    """fuse_wgrad_accumulation: when any weight trains, every weight needs an
+    fp32 ``main_grad`` of its shape on its device (one grouped product adds
+    into all of them; checked before any GPU work)."""
+    if not any(w.requires_grad for w in weights):
+        return
+    for i, w in enumerate(weights):
+        mg = getattr(w, "main_grad", None)
+        if not isinstance(mg, torch.Tensor):
+            raise AttributeError(f"fuse_wgrad_accumulation=True needs weights[{i}].main_grad (an fp32 tensor of "
+                                 f"shape {tuple(w.shape)} the weight gradient is added into)")
+        if mg.dtype != torch.float32 or mg.shape != w.shape or mg.device != w.device:
+            raise ValueError(f"weights[{i}].main_grad must be fp32 {tuple(w.shape)} on {w.device}, got "
+                             f"{mg.dtype} {tuple(mg.shape)} on {mg.device}")
+
+
+def _stacked_main_grads(weights) -> Optional[torch.Tensor]:
+    """The G main_grads as one (G, N, K) view when they are consecutive,
+    contiguous pieces of one buffer (as a training framework's flat gradient
+    buffer lays them out), else None."""
+    mgs = [w.main_grad for w in weights]
+    m0 = mgs[0]
+    step = m0.numel()
+    for i, m in enumerate(mgs):
+        if (not m.is_contiguous() or m.untyped_storage().data_ptr() != m0.untyped_storage().data_ptr()
+                or m.storage_offset() != m0.storage_offset() + i * step):
+            return None
+    n, k = m0.shape
+    return m0.as_strided((len(mgs), n, k), (step, k, 1))
+
+
+def _accumulate_main_grads(weights, wgrad_into) -> None:
+    """Adds the weight gradients into the weights' main_grads (fp32): in the
+    wgrad GEMM's epilogue when the main_grads form one buffer, else through
+    one fp32 product and G adds.  On the GPU both add the same fp32 product
+    with one rounding (bitwise equal); the CPU reference rounds its fp64
+    product only once in the fused case."""
+    stacked = _stacked_main_grads(weights)
+    if stacked is not None:
+        wgrad_into(stacked, True)
+        return
+    tmp = wgrad_into(None, False)
+    for w, t in zip(weights, tmp.unbind(0)):
+        w.main_grad.add_(t)
+
+
+def _fused_wgrad_results(weights) -> List[Optional[torch.Tensor]]:
+    """What autograd gets for the weights once their gradient went into
+    main_grad (TransformerEngine's convention, which Megatron relies on): a
+    placeholder tensor with ``grad_added_to_main_grad`` set, where the weight
+    has that attribute (so its gradient hooks still fire), else None."""
+    out: List[Optional[torch.Tensor]] = []
+    for w in weights:
+        if hasattr(w, "grad_added_to_main_grad"):
+            w.grad_added_to_main_grad = True
+            make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+            out.append(make(w.shape, dtype=w.dtype, device=w.device))
+        else:
+            out.append(None)
+    return out
+
+
 def _cuda_major(device: torch.device) -> int:
     """Compute-capability major of a CUDA device (host query, no sync)."""
     return torch.cuda.get_device_capability(device)[0]
@@ -304,6 +366,7 @@ class _Config:
     weight_cache: Optional[WeightCache]
     is_first_microbatch: Optional[bool]
     grad_enabled: bool  # read at call time: Function.forward always runs with grad disabled
+    fuse_wgrad_accumulation: bool = False
 
 
 def _mode(recipe) -> str:
@@ -345,6 +408,16 @@ def _saved(ctx):
             out.append(list(tensors[i:i + v]))
             i += v
     return out
+
+
+def _wgrad(ctx, run) -> Optional[torch.Tensor]:
+    """``run(out, accumulate)`` is the layer's wgrad GEMM.  Plain: returns
+    the (G, N, K) gradients.  fuse_wgrad_accumulation: adds them into the
+    weights' main_grads and returns None."""
+    if ctx.weights is None:
+        return run(None, False)
+    _accumulate_main_grads(ctx.weights, run)
+    return None
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -396,6 +469,7 @@ class _GroupedLinear(torch.autograd.Function):
             x_bwd, w_bwd = (x2d, weights) if override == "high_precision" else (x_hat, w_hat)
 
         ctx.cfg = cfg
+        ctx.weights = weights if cfg.fuse_wgrad_accumulation else None  # their main_grads, in backward
         ctx.mode, ctx.quantized_bwd = mode, quantized_bwd
         _save(ctx, x_bwd if need_wgrad else None, w_bwd if need_dgrad else None)
         ctx.flags = (need_dgrad, need_wgrad, need_dbias)
@@ -422,7 +496,10 @@ class _GroupedLinear(torch.autograd.Function):
             if need_dgrad:
                 dgrad = grouped_gemm(qdy, w_b, kind="dgrad", m_splits=host)
             if need_wgrad:
-                wgrad = grouped_gemm(qdy, x_b, kind="wgrad", out_dtype=ctx.dtype, m_splits=host)
+                wgrad = _wgrad(ctx, lambda out, acc: grouped_gemm(
+                    qdy, x_b, kind="wgrad", out=out, accumulate=acc,
+                    out_dtype=None if out is not None else (torch.float32 if ctx.weights else ctx.dtype),
+                    m_splits=host))
         else:
             if isinstance(x_b, GroupedTensor):  # "dequantized" FP8: back to high precision
                 x_b = _dequantized(x_b, ctx.dtype)
@@ -437,16 +514,22 @@ class _GroupedLinear(torch.autograd.Function):
             if need_dgrad:
                 dgrad = grouped_gemm(dyg, w_b, kind="dgrad", m_splits=host)
             if need_wgrad:
-                wgrad = grouped_gemm(dyg, _tokens(x_b, splits.device), kind="wgrad", out_dtype=ctx.dtype,
-                                     m_splits=host)
+                xg = _tokens(x_b, splits.device)
+                wgrad = _wgrad(ctx, lambda out, acc: grouped_gemm(
+                    dyg, xg, kind="wgrad", out=out, accumulate=acc,
+                    out_dtype=None if out is not None else (torch.float32 if ctx.weights else ctx.dtype),
+                    m_splits=host))
         if need_dbias and dbias is None:
             dbias = _bias_grad(dy, splits.device, host)
 
-        w_grads = [None] * num if wgrad is None else list(wgrad.to(ctx.dtype).unbind(0))
+        if ctx.weights is not None and need_wgrad:
+            w_grads = _fused_wgrad_results(ctx.weights)
+        else:
+            w_grads = [None] * num if wgrad is None else list(wgrad.to(ctx.dtype).unbind(0))
         grads = [dgrad, None] + w_grads
         if cfg.has_bias:
             grads += [None] * num if dbias is None else list(dbias.to(ctx.dtype).unbind(0))
-        ctx.saved_objects = None  # free the saved quantized operands early
+        ctx.saved_objects = ctx.weights = None  # free the saved operands early
         return tuple(grads)
 
 
@@ -454,7 +537,8 @@ class _GroupedLinear(torch.autograd.Function):
 def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
                    biases: Optional[Sequence[torch.Tensor]] = None, recipe: Optional[Recipe] = None, *,
                    weight_cache: Optional[WeightCache] = None,
-                   is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+                   is_first_microbatch: Optional[bool] = None,
+                   fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
     """Grouped linear layer: rows of expert t (in order) times ``W_t^T`` (+ ``b_t``).
 
     Args:
@@ -477,6 +561,13 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
             on every call, no caching.  True: quantize into ``weight_cache``.
             False: reuse ``weight_cache`` (weights unchanged since the last
             True call, e.g. later micro-batches of a step).
+        fuse_wgrad_accumulation: add the weight gradients into each
+            weight's fp32 ``main_grad`` (Megatron-style) instead of returning
+            them: in the wgrad GEMM's epilogue when the main_grads are
+            consecutive pieces of one buffer, else through one fp32 product
+            and an add per expert.  As in TransformerEngine, autograd then
+            gets a placeholder gradient (and ``grad_added_to_main_grad`` is
+            set) for weights that have that attribute, None for the others.
     Returns (..., out_features) in the input's dtype.
 
     Errors are raised before any GPU work.  Quantized inputs (GroupedTensor,
@@ -494,8 +585,12 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
         raise ValueError("is_first_microbatch needs a weight_cache to keep the quantized weights in")
     if weight_cache is not None and not isinstance(weight_cache, WeightCache):
         raise TypeError(f"weight_cache must be an lpmoe.functional.WeightCache, got {type(weight_cache).__name__}")
+    if not isinstance(fuse_wgrad_accumulation, bool):
+        raise TypeError(f"fuse_wgrad_accumulation must be a bool, got {fuse_wgrad_accumulation!r}")
+    if fuse_wgrad_accumulation and torch.is_grad_enabled():
+        _check_main_grads(weights)
     cfg = _Config(recipe, splits, g, biases is not None, weight_cache, is_first_microbatch,
-                  torch.is_grad_enabled())
+                  torch.is_grad_enabled(), fuse_wgrad_accumulation)
     params = list(weights) + (list(biases) if biases is not None else [])
     out = _GroupedLinear.apply(x2d.contiguous(), cfg, *params)
     return out.view(*inp.shape[:-1], n)

@@ -36,12 +36,20 @@ class GroupedLinear(torch.nn.Module):
             GEMMs with the GPU path's numerics.
         init_method: ``init_method(weight)`` initialises each weight in
             place; default kaiming-uniform as ``torch.nn.Linear``.
+        fuse_wgrad_accumulation: add weight gradients into each weight's
+            fp32 ``main_grad`` (set by the training framework, e.g. Megatron)
+            instead of ``.grad``; TransformerEngine's argument of that name
+            (see :func:`lpmoe.functional.grouped_linear`).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cuda",
-                 init_method: Optional[Callable[[torch.Tensor], None]] = None):
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None,
+                 fuse_wgrad_accumulation: bool = False):
         super().__init__()
+        if not isinstance(fuse_wgrad_accumulation, bool):
+            raise TypeError(f"fuse_wgrad_accumulation must be a bool, got {fuse_wgrad_accumulation!r}")
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -91,7 +99,8 @@ class GroupedLinear(torch.nn.Module):
         per expert (CUDA int tensor: graph-safe; list / CPU tensor: host
         path; see :mod:`lpmoe.functional`).  Returns (..., out_features)."""
         return grouped_linear(inp, m_splits, self.weights, self.biases, get_autocast_recipe(),
-                              weight_cache=self.weight_cache, is_first_microbatch=is_first_microbatch)
+                              weight_cache=self.weight_cache, is_first_microbatch=is_first_microbatch,
+                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -108,4 +117,5 @@ class GroupedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.use_bias}, params_dtype={self.params_dtype}")
+                f"bias={self.use_bias}, params_dtype={self.params_dtype}"
+                + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else ""))
