@@ -106,7 +106,7 @@ def run_case(name, k, n, g, tokens, skewed, kinds):
     return out
 
 
-def sweep(variants, kinds=("fprop", "dgrad", "wgrad")):
+def sweep(variants, kinds=("fprop", "dgrad", "wgrad"), out_dtype=None):
     """Tuning builds (-DLPMOE_GEMM_EXPERIMENTS): time the grouped FP8 kernels
     of each compiled configuration (LPMOE_GEMM_VARIANT) on a few shapes,
     beside the cuBLASLt per-expert loop of the same run."""
@@ -121,7 +121,9 @@ def sweep(variants, kinds=("fprop", "dgrad", "wgrad")):
         flops = 2.0 * tokens * n * k
         for kind in kinds:
             fa, fb = ops["fp8"][kind]
-            ref = tflops(flops, safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="cublas", m_splits=splits)))
+            kw = {"out_dtype": out_dtype} if out_dtype is not None else {}
+            ref = tflops(flops, safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="cublas", m_splits=splits,
+                                                                **kw)))
             cells = [f"cublas {ref:6.1f}"]
             for v in variants:
                 # "name+sw4+rN": configuration name, tile swizzle 4, raster along N
@@ -130,7 +132,7 @@ def sweep(variants, kinds=("fprop", "dgrad", "wgrad")):
                 for kn in knobs:
                     key = "LPMOE_GEMM_SWIZZLE" if kn.startswith("sw") else "LPMOE_GEMM_RASTER"
                     os.environ[key] = kn[2:] if kn.startswith("sw") else kn[1:]
-                f8 = tflops(flops, safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="grouped")))
+                f8 = tflops(flops, safe(lambda: lpmoe.grouped_gemm(fa, fb, kind=kind, backend="grouped", **kw)))
                 cells.append(f"{v or 'default'} {f8:6.1f} ({f8 / ref:4.2f})")
                 for key in ("LPMOE_GEMM_VARIANT", "LPMOE_GEMM_SWIZZLE", "LPMOE_GEMM_RASTER"):
                     os.environ.pop(key, None)
@@ -141,9 +143,10 @@ def main():
     p = parser(__doc__)
     p.add_argument("--sweep", default=None, help="comma-separated LPMOE_GEMM_VARIANT names ('' = default)")
     p.add_argument("--kinds", default="fprop,dgrad,wgrad", help="GEMM kinds of --sweep")
+    p.add_argument("--fp32-out", action="store_true", help="--sweep with fp32 outputs (wgrad)")
     args = p.parse_args()
     if args.sweep is not None:
-        sweep(args.sweep.split(","), args.kinds.split(","))
+        sweep(args.sweep.split(","), args.kinds.split(","), torch.float32 if args.fp32_out else None)
         return
     torch.manual_seed(0)
     print(f"device {torch.cuda.get_device_name()}  (TFLOP/s; median of 7 samples x 5 calls)")

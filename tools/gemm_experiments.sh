@@ -4,7 +4,8 @@
 # against the FP8 GEMM tests, times them beside the cuBLASLt loop, and takes
 # an Nsight Compute source-level (SASS) stall profile of the wgrad kernels.
 #
-#   VARIANTS=",pp,coop21+sw4" [NCU_VARIANTS="pp default"] [MLP_PROFILE=0] bash tools/gemm_experiments.sh
+#   VARIANTS=",pp,coop21+sw4" [FP32_VARIANTS=",pp"] [NCU_VARIANTS="pp default"] [MLP_PROFILE=0] \
+#     bash tools/gemm_experiments.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}"
@@ -28,6 +29,9 @@ for v in "${vs[@]}"; do
     2>&1 | tail -2 | sed "s/^/tests variant '${v:-default}': /"
 done
 python3 benchmarks/bench_grouped_gemm.py --sweep "$VARIANTS" --kinds "${KINDS:-fprop,dgrad,wgrad}" 2>&1 | tee "$OUT/sweep.log"
+# the fp32-output wgrad (main_grad accumulation) has its own configurations
+[ -n "${FP32_VARIANTS:-}" ] && python3 benchmarks/bench_grouped_gemm.py --sweep "$FP32_VARIANTS" --kinds wgrad --fp32-out \
+  2>&1 | sed 's/^sweep/sweep-fp32/' | tee -a "$OUT/sweep.log"
 
 # Source-level stall profile of the wgrad kernel, per named variant.
 cat > /tmp/lpmoe_wgrad_prof.py <<'PY'

@@ -3,6 +3,7 @@
 // token dim, fp32 out with optional accumulation (beta = 1).  One CUTLASS
 // instantiation (see gemm_fp8_block.cuh).
 #include "gemm/gemm_fp8_block.cuh"
+#include "gemm_tuning/tuning.h"
 
 namespace lpmoe {
 namespace gemm {
@@ -20,6 +21,10 @@ using Chosen = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _1
 }  // namespace
 
 cudaError_t fp8_block_grouped_gemm_wgrad(const GroupedGemmArgs& args) {
+#ifdef LPMOE_GEMM_EXPERIMENTS
+  cudaError_t st;
+  if (tuning::run_fp8_variant(args, true, &st)) return st;
+#endif
   return detail8::run8<Chosen>(args);
 }
 #else

@@ -18,7 +18,7 @@ using Chosen = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _1
 cudaError_t fp8_block_grouped_gemm_wgrad_bf16out(const GroupedGemmArgs& args) {
 #ifdef LPMOE_GEMM_EXPERIMENTS
   cudaError_t st;
-  if (tuning::run_fp8_variant(args, &st)) return st;
+  if (tuning::run_fp8_variant(args, false, &st)) return st;
 #endif
   return detail8::run8<Chosen>(args);
 }

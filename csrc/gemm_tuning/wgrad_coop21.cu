@@ -3,6 +3,6 @@
 #include "gemm/gemm_fp8_block.cuh"
 #include "gemm_tuning/tuning.h"
 #if LPMOE_HAS_SM90_GROUPED
-LPMOE_TUNING_FP8(wgrad_coop21, true, Cooperative, 128, 128, 2, 1)
+LPMOE_TUNING_FP8(wgrad_coop21, true, Cooperative, 128, 128, 2, 1, cutlass::bfloat16_t)
 #endif
 #endif

@@ -3,6 +3,6 @@
 #include "gemm/gemm_fp8_block.cuh"
 #include "gemm_tuning/tuning.h"
 #if LPMOE_HAS_SM90_GROUPED
-LPMOE_TUNING_FP8(wgrad_pp, true, Pingpong, 64, 128, 1, 2)
+LPMOE_TUNING_FP8(wgrad_pp, true, Pingpong, 64, 128, 1, 2, cutlass::bfloat16_t)
 #endif
 #endif

@@ -1,0 +1,8 @@
+// Tuning configuration (see tuning.h).
+#ifdef LPMOE_GEMM_EXPERIMENTS
+#include "gemm/gemm_fp8_block.cuh"
+#include "gemm_tuning/tuning.h"
+#if LPMOE_HAS_SM90_GROUPED
+LPMOE_TUNING_FP8(wgrad_pp_f32, true, Pingpong, 64, 128, 1, 2, float)
+#endif
+#endif
