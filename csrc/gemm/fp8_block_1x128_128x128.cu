@@ -1,7 +1,6 @@
 // FP8 block-scaled grouped GEMM, 1x128 activations x 128x128 weights (fprop
 // and dgrad), bf16 out: one CUTLASS instantiation (see gemm_fp8_block.cuh).
 #include "gemm/gemm_fp8_block.cuh"
-#include "gemm_tuning/tuning.h"
 
 namespace lpmoe {
 namespace gemm {
@@ -15,11 +14,7 @@ using Chosen = detail8::Config8<false, detail8::Cooperative, Shape<_128, _128, _
 }  // namespace
 
 cudaError_t fp8_block_grouped_gemm_1x128_128x128(const GroupedGemmArgs& args) {
-#ifdef LPMOE_GEMM_EXPERIMENTS
-  cudaError_t st;
-  if (tuning::run_fp8_variant(args, false, &st)) return st;
-#endif
-  return detail8::run8<Chosen>(args);
+  return detail8::run8_release<Chosen>(args);
 }
 #else
 cudaError_t fp8_block_grouped_gemm_1x128_128x128(const GroupedGemmArgs&) { return cudaErrorNotSupported; }

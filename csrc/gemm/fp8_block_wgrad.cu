@@ -3,7 +3,6 @@
 // token dim, fp32 out with optional accumulation (beta = 1).  One CUTLASS
 // instantiation (see gemm_fp8_block.cuh).
 #include "gemm/gemm_fp8_block.cuh"
-#include "gemm_tuning/tuning.h"
 
 namespace lpmoe {
 namespace gemm {
@@ -16,16 +15,13 @@ using namespace cute;
 // promotion; the two consumer warpgroups of the cooperative schedule
 // overlap one's promotion with the other's MMAs, and the 128x128 tile reads
 // half the operand bytes per FLOP of a 64x128 pingpong tile, which starved on
-// L2 bandwidth (0.67-0.82 of this kernel; sweep in docs/gemm-notes.md).
+// L2 bandwidth (0.67-0.87 of cuBLASLt against 0.82-0.99 for this kernel in the same
+// sweeps; docs/gemm-notes.md).
 using Chosen = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _128>, Shape<_1, _2, _1>>;
 }  // namespace
 
 cudaError_t fp8_block_grouped_gemm_wgrad(const GroupedGemmArgs& args) {
-#ifdef LPMOE_GEMM_EXPERIMENTS
-  cudaError_t st;
-  if (tuning::run_fp8_variant(args, true, &st)) return st;
-#endif
-  return detail8::run8<Chosen>(args);
+  return detail8::run8_release<Chosen>(args);
 }
 #else
 cudaError_t fp8_block_grouped_gemm_wgrad(const GroupedGemmArgs&) { return cudaErrorNotSupported; }

@@ -2,7 +2,6 @@
 // accumulation; halves the output bytes, which dominate when experts get
 // few tokens).  One CUTLASS instantiation (see gemm_fp8_block.cuh).
 #include "gemm/gemm_fp8_block.cuh"
-#include "gemm_tuning/tuning.h"
 
 namespace lpmoe {
 namespace gemm {
@@ -16,11 +15,7 @@ using Chosen = detail8::Config8<true, detail8::Cooperative, Shape<_128, _128, _1
 }  // namespace
 
 cudaError_t fp8_block_grouped_gemm_wgrad_bf16out(const GroupedGemmArgs& args) {
-#ifdef LPMOE_GEMM_EXPERIMENTS
-  cudaError_t st;
-  if (tuning::run_fp8_variant(args, false, &st)) return st;
-#endif
-  return detail8::run8<Chosen>(args);
+  return detail8::run8_release<Chosen>(args);
 }
 #else
 cudaError_t fp8_block_grouped_gemm_wgrad_bf16out(const GroupedGemmArgs&) { return cudaErrorNotSupported; }

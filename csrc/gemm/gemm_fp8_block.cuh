@@ -6,6 +6,7 @@
 #pragma once
 
 #include "gemm/cutlass_grouped.cuh"
+#include "gemm_tuning/tuning.h"
 
 namespace lpmoe {
 namespace gemm {
@@ -137,6 +138,17 @@ cudaError_t run8(const GroupedGemmArgs& args) {
   cudaError_t st = run_grouped<typename C::Gemm>(args, arr.shape, mainloop, epilogue);
   if (st != cudaSuccess || !C::kWgrad || acc) return st;
   return zero_empty_wgrad(args.d, sizeof(typename C::ElementD), args.rows, g, args.n, args.k, args.stream);
+}
+
+// A release entry point: runs `C`, or in a tuning build the configuration
+// LPMOE_GEMM_VARIANT names for this kind and output type.
+template <class C>
+cudaError_t run8_release(const GroupedGemmArgs& args) {
+#ifdef LPMOE_GEMM_EXPERIMENTS
+  cudaError_t st;
+  if (tuning::run_fp8_variant(args, std::is_same_v<typename C::ElementD, float>, &st)) return st;
+#endif
+  return run8<C>(args);
 }
 
 }  // namespace detail8
