@@ -275,11 +275,25 @@ class _Spy:
         return self.fn(*a, **kw)
 
 
+# Where each function is called from (one spy per function, patched into
+# every module that calls it).
+SPY_SITES = {
+    "grouped_gemm": ("lpmoe.functional.linear_steps",),
+    "group_quantize": ("lpmoe.policy.fp8_block", "lpmoe.policy.emulated", "lpmoe.functional.weights"),
+    "group_quantize_dbias": ("lpmoe.policy.fp8_block",),
+}
+
+
 @pytest.fixture
 def spies(monkeypatch):
-    s = {name: _Spy(getattr(LF, name)) for name in ("grouped_gemm", "group_quantize", "group_quantize_dbias")}
-    for name, spy in s.items():
-        monkeypatch.setattr(LF, name, spy)
+    import importlib
+
+    s = {}
+    for name, modules in SPY_SITES.items():
+        mods = [importlib.import_module(m) for m in modules]
+        s[name] = _Spy(getattr(mods[0], name))
+        for mod in mods:
+            monkeypatch.setattr(mod, name, s[name])
     return s
 
 
@@ -681,13 +695,14 @@ def test_cuda_errors_before_gpu_work():
 
 
 def test_fp8_block_on_a_non_hopper_gpu_names_the_alternative(monkeypatch):
-    import lpmoe.functional as fn
+    import lpmoe.functional.checks as checks
+    from lpmoe.functional.splits import Splits
 
-    monkeypatch.setattr(fn, "_cuda_major", lambda device: 10)
-    splits = fn._Splits(torch.zeros(2, dtype=torch.int64), [0, 0])
+    monkeypatch.setattr(checks, "_cuda_major", lambda device: 10)
+    splits = Splits(torch.zeros(2, dtype=torch.int64), [0, 0])
     with pytest.raises(RuntimeError, match="Hopper.*MXFP8BlockScaling"):
-        fn._check_recipe(Float8BlockScaling(), torch.bfloat16, 128, 128, splits, True, torch.device("cuda", 0))
-    fn._check_recipe(None, torch.bfloat16, 128, 128, splits, True, torch.device("cuda", 0))  # bf16 is fine
+        checks.check_recipe(Float8BlockScaling(), torch.bfloat16, 128, 128, splits, True, torch.device("cuda", 0))
+    checks.check_recipe(None, torch.bfloat16, 128, 128, splits, True, torch.device("cuda", 0))  # bf16 is fine
 
 
 # ------------------------------------------- fused wgrad accumulation (main_grad)

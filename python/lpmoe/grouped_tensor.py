@@ -34,6 +34,10 @@ __all__ = ["GroupedTensor", "ShapeKind"]
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_TENSOR_FIELDS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax",
+                  "first_dims", "last_dims", "tensor_offsets", "padded_row_offsets")
+
+
 class ShapeKind(enum.Enum):
     SAME_SHAPE = "same_shape"
     VARYING_FIRST = "varying_first"
@@ -404,6 +408,23 @@ class GroupedTensor:
                              tensor_offsets=self.tensor_offsets, padded_row_offsets=self.padded_row_offsets,
                              with_gemm_swizzled_scales=self.with_gemm_swizzled_scales, _trusted_offsets=True,
                              **bufs)
+
+    # ------------------------------------------------------------- flatten
+    def flatten(self) -> Tuple[List[torch.Tensor], tuple]:
+        """(tensors, static metadata): every tensor this group holds and what
+        :meth:`unflatten` needs to rebuild it, without copying (for saving
+        through autograd's ``save_for_backward``)."""
+        names = tuple(f for f in _TENSOR_FIELDS if getattr(self, f) is not None)
+        meta = (names, self.num_tensors, self.logical_shape, self.dtype, self.quantizer,
+                self.with_gemm_swizzled_scales)
+        return [getattr(self, f) for f in names], meta
+
+    @classmethod
+    def unflatten(cls, tensors: Sequence[torch.Tensor], meta: tuple) -> "GroupedTensor":
+        """Inverse of :meth:`flatten` (no launch: the offsets travel along)."""
+        names, n, shape, dtype, quantizer, swizzled = meta
+        return cls(num_tensors=n, logical_shape=shape, dtype=dtype, quantizer=quantizer,
+                   with_gemm_swizzled_scales=swizzled, _trusted_offsets=True, **dict(zip(names, tensors)))
 
     # ------------------------------------------------------------ host views
     def member_shapes(self) -> List[Tuple[int, int]]:

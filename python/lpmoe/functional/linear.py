@@ -1,0 +1,173 @@
+"""``lpmoe.functional.grouped_linear``: the expert GEMMs of an MoE layer.
+
+    y_t = x_t . W_t^T (+ b_t)        for expert t = 0 .. G-1
+
+``inp`` holds the tokens of all experts as consecutive row blocks
+(``m_splits[t]`` rows for expert t, in expert order).
+
+Two ways to give the splits
+---------------------------
+* **graph-safe path**: ``m_splits`` is an int tensor on the input's CUDA
+  device.  Nothing in forward or backward reads it on the host: no sync, so
+  the layer can be captured in a CUDA graph and replayed with new routing.
+  Checks that need the values (no negatives, sum <= rows) cannot run; bad
+  splits are clamped by the kernels (see :func:`lpmoe.grouped_gemm`).
+* **host path**: ``m_splits`` is a list of ints or a CPU tensor.  It is
+  validated on the host, copied to the device once, and handed to
+  :func:`lpmoe.grouped_gemm` (which lets it fall back to cuBLASLt where the
+  sync-free kernels do not cover a case, e.g. fp32 or E5M2 gradients).
+
+On the CPU both run lpmoe's fp64 reference GEMMs on the same quantized
+operands as the GPU, so CPU results predict GPU numerics.
+
+Capacity tail: rows past ``sum(m_splits)`` belong to no expert.  Their
+output rows are 0 and their input-gradient rows are 0.
+
+Recipes (see :mod:`lpmoe.recipe`)
+---------------------------------
+* none: GEMMs in the input dtype (bf16 / fp16 / fp32; fp32 on CUDA needs
+  the host path).
+* :class:`~lpmoe.recipe.Float8BlockScaling`: x 1x128, W 128x128, dy 1x128
+  FP8 through the grouped FP8 GEMMs; bf16 activations and parameters only
+  (the FP8 grouped GEMMs write bf16).  ``Format.HYBRID`` (E5M2 gradients)
+  needs the host path on CUDA: the sync-free kernels take E4M3 only, and
+  silently changing the gradient format would change the recipe's numerics,
+  so the graph-safe path raises instead.
+* :class:`~lpmoe.recipe.MXFP8BlockScaling`,
+  :class:`~lpmoe.recipe.NVFP4BlockScaling`: **emulated** (Hopper has no
+  such tensor cores).  The forward quantizes x and W along K and
+  dequantizes them; the backward quantizes dy along N and reuses the saved
+  dequantized x and W; every GEMM runs in high precision.  The wgrad
+  operands are therefore not re-quantized along the token dim, unlike a
+  hardware recipe.  NVFP4 needs every split to be a multiple of 16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from lpmoe.autocast import get_autocast_recipe
+from lpmoe.functional import saved
+from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
+from lpmoe.functional.linear_steps import dgrad_step, linear_forward, wgrad_step
+from lpmoe.functional.splits import Splits, parse_splits
+from lpmoe.functional.weights import WeightCache, WeightSource
+from lpmoe.policy import LinearPolicy, Needs, Tokens, policy_for
+from lpmoe.recipe import Recipe
+
+__all__ = ["grouped_linear"]
+
+
+@dataclass
+class _Config:
+    policy: LinearPolicy
+    splits: Splits
+    num: int
+    has_bias: bool
+    weight_cache: Optional[WeightCache]
+    is_first_microbatch: Optional[bool]
+    grad_enabled: bool  # read at call time: Function.forward always runs with grad disabled
+    fuse_wgrad_accumulation: bool = False
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """Sequences the three GEMMs; what they read and what is saved is the
+    recipe policy's business (lpmoe.policy)."""
+
+    @staticmethod
+    def forward(ctx, x2d, cfg: _Config, *params):
+        num = cfg.num
+        weights = list(params[:num])
+        biases = list(params[num:]) if cfg.has_bias else None
+        # needs_input_grad reflects requires_grad only, not torch.no_grad().
+        flags = [cfg.grad_enabled and r for r in ctx.needs_input_grad]
+        need = Needs(dgrad=flags[0], wgrad=any(flags[2:2 + num]), dbias=cfg.has_bias and any(flags[2 + num:]))
+        wsrc = WeightSource(weights, cfg.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+        out, fw = linear_forward(cfg.policy, Tokens(hp=x2d), wsrc, biases, cfg.splits, need)
+        saved.save(ctx, fw.saved_x if need.wgrad else None, fw.saved_w if need.dgrad else None)
+        ctx.cfg, ctx.need = cfg, need
+        ctx.main_grad_weights = weights if cfg.fuse_wgrad_accumulation else None
+        ctx.shape = (num,) + tuple(weights[0].shape)
+        ctx.dtype = x2d.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cfg, need = ctx.cfg, ctx.need
+        saved_x, saved_w = saved.load(ctx)
+        dy = grad_out.contiguous()  # e.g. an expanded (stride-0) grad of .sum()
+        grad = cfg.policy.grad(dy, cfg.splits, need)
+        dgrad = dgrad_step(cfg.policy, grad, saved_w, cfg.splits, ctx.shape) if need.dgrad else None
+        tokens = cfg.policy.wgrad_tokens(saved_x, cfg.splits) if need.wgrad else None
+        w_grads, b_grads = wgrad_step(grad, tokens, cfg.splits, need, num=cfg.num, dtype=ctx.dtype,
+                                      main_grad_weights=ctx.main_grad_weights)
+        ctx.main_grad_weights = None
+        grads = [dgrad, None] + w_grads
+        if cfg.has_bias:
+            grads += b_grads if b_grads is not None else [None] * cfg.num
+        return tuple(grads)
+
+
+# ------------------------------------------------------------------ public
+def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
+                   biases: Optional[Sequence[torch.Tensor]] = None, recipe: Optional[Recipe] = None, *,
+                   weight_cache: Optional[WeightCache] = None,
+                   is_first_microbatch: Optional[bool] = None,
+                   fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
+    """Grouped linear layer: rows of expert t (in order) times ``W_t^T`` (+ ``b_t``).
+
+    Args:
+        inp: (tokens, in_features) or (..., in_features), bf16/fp16/fp32,
+            grouped by expert; rows past ``sum(m_splits)`` are a capacity
+            tail (output and input-gradient rows there are 0).
+        m_splits: tokens per expert: an int tensor on the input's CUDA device
+            (graph-safe, never read on the host), or a list of ints / a CPU
+            int tensor (host path; validated).  See the module docstring.
+        weights: G tensors (out_features, in_features), the input's dtype.
+        biases: None or G tensors (out_features,).
+        recipe: an :mod:`lpmoe.recipe` recipe; None = the active
+            :func:`lpmoe.autocast` recipe (or none: input-dtype GEMMs).  To
+            force high precision inside an autocast block, nest
+            ``lpmoe.autocast(enabled=False)``.
+        weight_cache: a :class:`WeightCache` (layers own one) reused for FP8
+            block weights across calls (emulated recipes quantize the
+            weights on every call).
+        is_first_microbatch: FP8 weight caching.  None: quantize the weights
+            on every call, no caching.  True: quantize into ``weight_cache``.
+            False: reuse ``weight_cache`` (weights unchanged since the last
+            True call, e.g. later micro-batches of a step).
+        fuse_wgrad_accumulation: add the weight gradients into each
+            weight's fp32 ``main_grad`` (Megatron-style) instead of returning
+            them: in the wgrad GEMM's epilogue when the main_grads are
+            consecutive pieces of one buffer, else through one fp32 product
+            and an add per expert.  As in TransformerEngine, autograd then
+            gets a placeholder gradient (and ``grad_added_to_main_grad`` is
+            set) for weights that have that attribute, None for the others.
+    Returns (..., out_features) in the input's dtype.
+
+    Errors are raised before any GPU work.  Quantized inputs (GroupedTensor,
+    FP8 tensors) raise TypeError: pass the high-precision activations.
+    """
+    g, n, k = check_params(inp, weights, biases)
+    if recipe is None:
+        recipe = get_autocast_recipe()
+    x2d = inp.reshape(-1, k)
+    splits = parse_splits(m_splits, g, x2d.shape[0], inp.device)
+    check_recipe(recipe, inp.dtype, n, k, splits, inp.is_cuda, inp.device)
+    if is_first_microbatch not in (None, True, False):
+        raise TypeError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
+    if is_first_microbatch is not None and weight_cache is None:
+        raise ValueError("is_first_microbatch needs a weight_cache to keep the quantized weights in")
+    if weight_cache is not None and not isinstance(weight_cache, WeightCache):
+        raise TypeError(f"weight_cache must be an lpmoe.functional.WeightCache, got {type(weight_cache).__name__}")
+    if not isinstance(fuse_wgrad_accumulation, bool):
+        raise TypeError(f"fuse_wgrad_accumulation must be a bool, got {fuse_wgrad_accumulation!r}")
+    if fuse_wgrad_accumulation and torch.is_grad_enabled():
+        check_main_grads(weights)
+    cfg = _Config(policy_for(recipe), splits, g, biases is not None, weight_cache, is_first_microbatch,
+                  torch.is_grad_enabled(), fuse_wgrad_accumulation)
+    params = list(weights) + (list(biases) if biases is not None else [])
+    out = _GroupedLinear.apply(x2d.contiguous(), cfg, *params)
+    return out.view(*inp.shape[:-1], n)

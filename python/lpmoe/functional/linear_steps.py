@@ -1,0 +1,120 @@
+"""The GEMM sequence of one grouped linear layer, shared by the autograd
+functions of GroupedLinear and GroupedMLP: the policy (lpmoe.policy) says
+what each GEMM reads, these functions run the GEMMs in order and free what
+is no longer needed as early as possible."""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from lpmoe.gemm import grouped_gemm
+from lpmoe.policy import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
+
+__all__ = ["linear_forward", "dgrad_step", "wgrad_step", "bias_grad", "fused_wgrad_results"]
+
+# Width of the ones operand of the bias-gradient GEMM: the narrowest the
+# grouped kernels take (N and K multiples of 16).
+_BIAS_ONES_COLS = 16
+
+
+def linear_forward(policy: LinearPolicy, x: Tokens, weights, biases, splits, need: Needs
+                   ) -> Tuple[torch.Tensor, Forward]:
+    """fprop of one layer; returns (y, the policy's Forward with what to save)."""
+    fw = policy.forward(x, weights, splits, need)
+    out = grouped_gemm(fw.x, fw.w, kind="fprop", bias=biases, m_splits=splits.host)
+    fw.x = fw.w = None  # rowwise copies die here unless a cache keeps them
+    return out, fw
+
+
+def bias_grad(dy: torch.Tensor, splits) -> torch.Tensor:
+    """(G, N) per-expert column sums of dy, deterministic and sync-free: a
+    wgrad GEMM against a ones operand (fixed-order fp32 accumulation; no
+    atomics, no host read of the splits)."""
+    ones = torch.ones((dy.shape[0], _BIAS_ONES_COLS), dtype=dy.dtype, device=dy.device)
+    sums = grouped_gemm(grouped_rows(dy, splits.device), grouped_rows(ones, splits.device), kind="wgrad",
+                        out_dtype=torch.float32, m_splits=splits.host)
+    return sums[:, :, 0]
+
+
+def dgrad_step(policy: LinearPolicy, grad: Grad, saved_w, splits, shape: Tuple[int, int, int]
+               ) -> torch.Tensor:
+    """dx = dy . W; then drops grad.dgrad, so a rowwise dy copy that only
+    dgrad read can be freed before the wgrad GEMM."""
+    g, n, k = shape
+    out = grouped_gemm(grad.dgrad, policy.dgrad_weights(saved_w, g, n, k), kind="dgrad", m_splits=splits.host)
+    grad.dgrad = None
+    return out
+
+
+def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, num: int, dtype: torch.dtype,
+               main_grad_weights: Optional[List[torch.Tensor]] = None
+               ) -> Tuple[List[Optional[torch.Tensor]], Optional[List[torch.Tensor]]]:
+    """Weight gradients (dy^T . x) and bias gradients (fused ones from
+    ``grad.dbias``, else a GEMM against ones).  With ``main_grad_weights``
+    (fuse_wgrad_accumulation) the weight gradients are added into their fp32
+    ``main_grad`` instead of being returned.  Returns (per-expert weight
+    grads, per-expert bias grads or None)."""
+    w_grads: List[Optional[torch.Tensor]] = [None] * num
+    if need.wgrad:
+        def run(out, accumulate):
+            out_dtype = None if out is not None else (torch.float32 if main_grad_weights else dtype)
+            return grouped_gemm(grad.wgrad, wgrad_tokens, kind="wgrad", out=out, accumulate=accumulate,
+                                out_dtype=out_dtype, m_splits=splits.host)
+        if main_grad_weights is not None:
+            _accumulate_main_grads(main_grad_weights, run)
+            w_grads = fused_wgrad_results(main_grad_weights)
+        else:
+            w_grads = list(run(None, False).to(dtype).unbind(0))
+    grad.wgrad = None
+    b_grads = None
+    if need.dbias:
+        dbias = grad.dbias if grad.dbias is not None else bias_grad(grad.hp, splits)
+        b_grads = list(dbias.to(dtype).unbind(0))
+    return w_grads, b_grads
+
+
+def _stacked_main_grads(weights) -> Optional[torch.Tensor]:
+    """The G main_grads as one (G, N, K) view when they are consecutive,
+    contiguous pieces of one buffer (as a training framework's flat gradient
+    buffer lays them out), else None."""
+    mgs = [w.main_grad for w in weights]
+    m0 = mgs[0]
+    step = m0.numel()
+    for i, m in enumerate(mgs):
+        if (not m.is_contiguous() or m.untyped_storage().data_ptr() != m0.untyped_storage().data_ptr()
+                or m.storage_offset() != m0.storage_offset() + i * step):
+            return None
+    n, k = m0.shape
+    return m0.as_strided((len(mgs), n, k), (step, k, 1))
+
+
+def _accumulate_main_grads(weights, wgrad_into) -> None:
+    """Adds the weight gradients into the weights' main_grads (fp32): in the
+    wgrad GEMM's epilogue when the main_grads form one buffer, else through
+    one fp32 product and G adds.  On the GPU both add the same fp32 product
+    with one rounding (bitwise equal); the CPU reference rounds its fp64
+    product only once in the fused case."""
+    stacked = _stacked_main_grads(weights)
+    if stacked is not None:
+        wgrad_into(stacked, True)
+        return
+    tmp = wgrad_into(None, False)
+    for w, t in zip(weights, tmp.unbind(0)):
+        w.main_grad.add_(t)
+
+
+def fused_wgrad_results(weights) -> List[Optional[torch.Tensor]]:
+    """What autograd gets for the weights once their gradient went into
+    main_grad (TransformerEngine's convention, which Megatron relies on): a
+    placeholder tensor with ``grad_added_to_main_grad`` set, where the weight
+    has that attribute (so its gradient hooks still fire), else None."""
+    out: List[Optional[torch.Tensor]] = []
+    for w in weights:
+        if hasattr(w, "grad_added_to_main_grad"):
+            w.grad_added_to_main_grad = True
+            make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+            out.append(make(w.shape, dtype=w.dtype, device=w.device))
+        else:
+            out.append(None)
+    return out

@@ -1,0 +1,128 @@
+"""Where a layer's weight operand comes from: the parameters, quantized per
+call or cached across micro-batches (``is_first_microbatch``)."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from lpmoe.grouped_tensor import GroupedTensor
+from lpmoe.quantize import group_quantize
+
+__all__ = ["WeightCache", "WeightSource", "stack_weights"]
+
+
+class WeightCache:
+    """FP8 weights of one layer, quantized once and reused across micro-batches.
+
+    ``is_first_microbatch`` (see :func:`grouped_linear`) decides when the
+    cache is refreshed.  Inside CUDA graph capture the refresh is recorded as
+    an in-place quantization into the cached buffers, gated by
+    :attr:`skip_flag`: set it with :meth:`set_skip_update` between replays
+    to reuse the cached weights (e.g. later micro-batches of a step).
+    """
+
+    def __init__(self):
+        self.quantized: Optional[GroupedTensor] = None
+        #: float32 device tensor read by the quantize kernel (1.0 = skip writing)
+        self.skip_flag: Optional[torch.Tensor] = None
+
+    def clear(self) -> None:
+        self.quantized = None
+        self.skip_flag = None
+
+    def set_skip_update(self, skip: bool) -> None:
+        """Make captured graphs keep (True) or refresh (False) the cached
+        weights on their next replays.  Call outside capture."""
+        if self.skip_flag is None:
+            raise RuntimeError("the weight cache has no skip flag yet: run one eager forward first")
+        self.skip_flag.fill_(1.0 if skip else 0.0)
+
+    def usable_for(self, quantizer, num: int, shape: Tuple[int, int], dtype, device) -> bool:
+        """The cached tensor holds this format, shape and (at least) these directions."""
+        q = self.quantized
+        if q is None:
+            return False
+        cq = q.quantizer
+        same_format = cq.copy(rowwise=True, columnwise=True) == quantizer.copy(rowwise=True, columnwise=True)
+        directions = (cq.rowwise or not quantizer.rowwise) and (cq.columnwise or not quantizer.columnwise)
+        return (same_format and directions and q.num_tensors == num and q.logical_shape == shape
+                and q.dtype == dtype and q.device == device)
+
+    def _flag(self, device: torch.device) -> Optional[torch.Tensor]:
+        # Made eagerly (never inside capture, where the zero fill would be
+        # recorded and undo set_skip_update on every replay).
+        if self.skip_flag is None or self.skip_flag.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            self.skip_flag = torch.zeros(1, dtype=torch.float32, device=device)
+        return self.skip_flag
+
+
+def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(G*N, K) weights: the same-shape group layout quantizers take.  A view
+    when the weights already sit back to back in one buffer (GroupedLinear's
+    parameters do), else a copy."""
+    w0 = weights[0]
+    n, k = w0.shape
+    step = n * k * w0.element_size()
+    if all(w.is_contiguous() and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+           and w.data_ptr() == w0.data_ptr() + i * step for i, w in enumerate(weights)):
+        return w0.detach().as_strided((len(weights) * n, k), (k, 1))
+    return torch.stack(list(weights)).view(len(weights) * n, k)
+
+
+def _quantized_weights(weights, quantizer, cache: Optional[WeightCache], is_first_microbatch,
+                       capturing: bool) -> GroupedTensor:
+    """Quantize the weights per ``is_first_microbatch`` semantics:
+    None = quantize now, no caching; True = quantize into the cache;
+    False = reuse the cache (quantizing into it if it is missing or unfit)."""
+    g = len(weights)
+    n, k = weights[0].shape
+    if cache is None:
+        return group_quantize(stack_weights(weights), quantizer, num_tensors=g)
+    fit = cache.usable_for(quantizer, g, (g * n, k), weights[0].dtype, weights[0].device)
+    if capturing:
+        if is_first_microbatch is False and fit:
+            return cache.quantized  # the graph reads whatever the cache holds at replay
+        if fit:  # refresh in place (fixed pointers), skippable at replay time
+            group_quantize(stack_weights(weights), cache.quantized.quantizer, num_tensors=g,
+                           output=cache.quantized, noop_flag=cache._flag(weights[0].device))
+            return cache.quantized
+        cache.quantized = group_quantize(stack_weights(weights), quantizer, num_tensors=g)
+        return cache.quantized
+    cache._flag(weights[0].device)  # exists before any capture
+    if is_first_microbatch is None:
+        return group_quantize(stack_weights(weights), quantizer, num_tensors=g)
+    if is_first_microbatch is False and fit:
+        return cache.quantized
+    if fit:  # in place: pointers stay stable for graphs captured later
+        return group_quantize(stack_weights(weights), cache.quantized.quantizer, num_tensors=g,
+                              output=cache.quantized)
+    cache.quantized = group_quantize(stack_weights(weights), quantizer, num_tensors=g)
+    return cache.quantized
+
+
+class WeightSource:
+    """The G weights of one layer call and how to quantize them
+    (:func:`_quantized_weights` semantics for ``is_first_microbatch``)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], cache: Optional[WeightCache],
+                 is_first_microbatch: Optional[bool], grad_enabled: bool):
+        self.params: List[torch.Tensor] = list(params)
+        self.cache = cache
+        self.is_first_microbatch = is_first_microbatch
+        self.grad_enabled = grad_enabled
+
+    @property
+    def shape(self) -> Tuple[int, int, int]:
+        n, k = self.params[0].shape
+        return len(self.params), n, k
+
+    def quantized(self, quantizer) -> GroupedTensor:
+        w = self.params[0]
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        return _quantized_weights(self.params, quantizer, self.cache, self.is_first_microbatch, capturing)
+
+    def stacked(self) -> torch.Tensor:
+        return stack_weights(self.params)

@@ -1,0 +1,108 @@
+"""What a recipe does to the operands of one grouped linear layer.
+
+A layer runs three grouped GEMMs (lpmoe.grouped_gemm):
+
+    fprop   y  = x . W^T        (token operand x, weight operand W)
+    dgrad   dx = dy . W         (token operand dy, the saved weight operand)
+    wgrad   dW = dy^T . x       (token operands dy and the saved x)
+
+A :class:`LinearPolicy` decides, for one recipe, what each GEMM reads and
+what the forward keeps for the backward.  The autograd functions
+(lpmoe.functional) only sequence GEMMs; every recipe-specific decision lives
+in one policy object per recipe (lpmoe.policy.*).  The fused expert MLP asks
+the same objects what its activation kernel should write.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lpmoe.grouped_tensor import GroupedTensor
+from lpmoe.quantizers import Quantizer
+
+__all__ = ["Needs", "Tokens", "Forward", "Grad", "LinearPolicy", "grouped_rows"]
+
+
+@dataclass
+class Needs:
+    """Which gradients the backward of one layer must produce."""
+    dgrad: bool   # input gradient
+    wgrad: bool   # weight gradients
+    dbias: bool   # bias gradients
+
+    @property
+    def any(self) -> bool:
+        return self.dgrad or self.wgrad or self.dbias
+
+
+@dataclass
+class Tokens:
+    """A layer's token operand (activations or output gradient), as high
+    precision (rows, C) and/or already quantized by a fused kernel."""
+    hp: Optional[torch.Tensor] = None
+    quantized: Optional[GroupedTensor] = None
+
+
+@dataclass
+class Forward:
+    x: object                 # fprop token operand
+    w: object                 # fprop weight operand
+    saved_x: object = None    # what wgrad will read (None: nothing to keep)
+    saved_w: object = None    # what dgrad will read
+
+
+@dataclass
+class Grad:
+    """The output gradient in the form the backward GEMMs read."""
+    dgrad: object = None                    # dgrad's token operand
+    wgrad: object = None                    # wgrad's token operand
+    dbias: Optional[torch.Tensor] = None    # (G, N) when fused into the quantization
+    hp: Optional[torch.Tensor] = None       # high-precision dy, for a bias gradient computed separately
+
+
+def grouped_rows(x2d: torch.Tensor, splits: torch.Tensor) -> GroupedTensor:
+    """Wrap (rows, C) token rows as an expert-grouped tensor (no copy)."""
+    return GroupedTensor(num_tensors=splits.numel(), logical_shape=tuple(x2d.shape), dtype=x2d.dtype,
+                         rowwise_data=x2d.view(-1), first_dims=splits)
+
+
+class LinearPolicy:
+    """Operand handling of one recipe (see the module docstring).
+
+    ``splits`` arguments are :class:`lpmoe.functional.splits.Splits`;
+    ``weights`` a :class:`lpmoe.functional.weights.WeightSource`.
+    """
+
+    def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
+        raise NotImplementedError
+
+    def grad(self, dy: torch.Tensor, splits, need: Needs) -> Grad:
+        raise NotImplementedError
+
+    def dgrad_weights(self, saved_w, num: int, n: int, k: int):
+        """dgrad's weight operand from what :meth:`forward` saved."""
+        return saved_w
+
+    def wgrad_tokens(self, saved_x, splits):
+        """wgrad's token operand from what :meth:`forward` saved."""
+        return grouped_rows(saved_x, splits.device) if isinstance(saved_x, torch.Tensor) else saved_x
+
+    # --- what a fused activation in front of this layer writes (lpmoe.GroupedMLP)
+    def activation_output(self, need: Needs):
+        """(write the high-precision activation?, quantizer of the fused FP8
+        output or None) for the activation feeding this layer."""
+        return True, None
+
+    def recomputed_wgrad_tokens(self, need: Needs):
+        """How the activation backward recomputes this layer's wgrad token
+        operand instead of the forward saving it: "hp", a quantizer, or None
+        (the forward saves it as usual)."""
+        return None
+
+    def grad_quantizer(self, need: Needs) -> Optional[Quantizer]:
+        """Quantizer a fused activation backward uses to write this layer's
+        output gradient directly (None: it writes high precision and
+        :meth:`grad` handles it)."""
+        return None

@@ -1,0 +1,127 @@
+"""Float8BlockScaling (x 1x128, W 128x128, dy 1x128) through the FP8 GEMMs."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
+from lpmoe.quantize import group_dequantize, group_quantize, group_quantize_dbias
+from lpmoe.quantizers import Float8BlockQuantizer
+from lpmoe.recipe import Float8BlockScaling
+
+__all__ = ["Fp8Block", "Fp8BlockHighPrecisionBackward", "Fp8BlockDequantizedBackward"]
+
+
+class _Fp8Forward(LinearPolicy):
+    """The FP8 forward shared by every backward_override: x quantized 1x128
+    (or handed over quantized by a fused activation), W 128x128."""
+
+    def __init__(self, recipe: Float8BlockScaling):
+        self.recipe = recipe
+
+    def quantizer(self, role: str, rowwise: bool, columnwise: bool) -> Float8BlockQuantizer:
+        return self.recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)
+
+    def _quantized_x(self, x: Tokens, splits, columnwise: bool):
+        if x.quantized is not None:
+            return x.quantized
+        return group_quantize(x.hp, self.quantizer("input", True, columnwise), num_tensors=splits.num,
+                              first_dims=splits.device)
+
+    def _quantized_w(self, weights, columnwise: bool):
+        return weights.quantized(self.quantizer("weight", True, columnwise))
+
+
+class Fp8Block(_Fp8Forward):
+    """Quantized backward.  The forward keeps only what the backward reads:
+    the transposed copy of x (wgrad) and of W (dgrad); rowwise copies die
+    with the fprop GEMM.  dy is quantized once, rowwise for dgrad and
+    transposed for wgrad, with the bias gradient fused when both dgrad and
+    a bias are needed."""
+
+    def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
+        qx = self._quantized_x(x, splits, columnwise=need.wgrad)
+        # The cache keeps the transposed copy whenever grads may be asked
+        # for, so micro-batches with and without dgrad share one cache.
+        qw = self._quantized_w(weights, columnwise=weights.grad_enabled)
+        saved_x = qx.direction_view(columnwise=True) if need.wgrad and qx.columnwise_data is not None else None
+        return Forward(x=qx, w=qw, saved_x=saved_x, saved_w=qw.direction_view(columnwise=True) if need.dgrad else None)
+
+    def grad(self, dy, splits, need: Needs) -> Grad:
+        if not (need.dgrad or need.wgrad):
+            return Grad(hp=dy)
+        q = self.quantizer("grad", need.dgrad, need.wgrad)
+        dbias = None
+        if need.dgrad and need.dbias:
+            qdy, dbias = group_quantize_dbias(dy, q, num_tensors=splits.num, first_dims=splits.device)
+        else:
+            qdy = group_quantize(dy, q, num_tensors=splits.num, first_dims=splits.device)
+        return grad_views(qdy, need, dbias, hp=dy)
+
+    # fused expert MLP: fc2's input comes rowwise from the activation kernel,
+    # its transposed copy is recomputed by the activation backward, and fc1's
+    # output gradient is written quantized by the activation backward.
+    def activation_output(self, need: Needs):
+        return False, self.quantizer("input", True, False)
+
+    def recomputed_wgrad_tokens(self, need: Needs):
+        return self.quantizer("input", False, True) if need.wgrad else None
+
+    def grad_quantizer(self, need: Needs) -> Optional[Float8BlockQuantizer]:
+        if not (need.dgrad or need.wgrad):
+            return None
+        return self.quantizer("grad", need.dgrad, need.wgrad)
+
+
+def grad_views(qdy, need: Needs, dbias, hp=None) -> Grad:
+    """One-direction views of a quantized dy, so the rowwise copy can be freed
+    right after the dgrad GEMM."""
+    return Grad(dgrad=qdy.direction_view(columnwise=False) if need.dgrad else None,
+                wgrad=qdy.direction_view(columnwise=True) if need.wgrad else None, dbias=dbias, hp=hp)
+
+
+class Fp8BlockHighPrecisionBackward(_Fp8Forward):
+    """backward_override="high_precision": FP8 forward, the original x and W
+    kept, backward GEMMs in high precision."""
+
+    def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
+        qx = self._quantized_x(x, splits, columnwise=False)
+        qw = self._quantized_w(weights, columnwise=False)
+        return Forward(x=qx, w=qw, saved_x=x.hp if need.wgrad else None,
+                       saved_w=weights.params if need.dgrad else None)
+
+    def grad(self, dy, splits, need: Needs) -> Grad:
+        t = grouped_rows(dy, splits.device)
+        return Grad(dgrad=t if need.dgrad else None, wgrad=t if need.wgrad else None, hp=dy)
+
+    def activation_output(self, need: Needs):
+        return need.wgrad, self.quantizer("input", True, False)
+
+
+class Fp8BlockDequantizedBackward(_Fp8Forward):
+    """backward_override="dequantized": FP8 forward, its quantized x and W
+    kept and dequantized for high-precision backward GEMMs."""
+
+    def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
+        qx = self._quantized_x(x, splits, columnwise=False)
+        qw = self._quantized_w(weights, columnwise=False)
+        return Forward(x=qx, w=qw, saved_x=qx if need.wgrad else None, saved_w=qw if need.dgrad else None)
+
+    def grad(self, dy, splits, need: Needs) -> Grad:
+        t = grouped_rows(dy, splits.device)
+        return Grad(dgrad=t if need.dgrad else None, wgrad=t if need.wgrad else None, hp=dy)
+
+    def dgrad_weights(self, saved_w, num: int, n: int, k: int):
+        return _dequantized(saved_w).view(num, n, k)
+
+    def wgrad_tokens(self, saved_x, splits):
+        return grouped_rows(_dequantized(saved_x), splits.device)
+
+    def activation_output(self, need: Needs):
+        return False, self.quantizer("input", True, False)
+
+
+def _dequantized(qg) -> torch.Tensor:
+    """(rows, K) high-precision values of a quantized group (rowwise copy)."""
+    return group_dequantize(qg, qg.dtype).rowwise_data.view(qg.logical_shape)

@@ -1,0 +1,24 @@
+"""No recipe: every GEMM in the input dtype."""
+from __future__ import annotations
+
+from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
+
+__all__ = ["HighPrecision"]
+
+
+class HighPrecision(LinearPolicy):
+    """x and W are used as given; the backward keeps x (for wgrad) and the
+    parameters (for dgrad) and reads dy as it comes."""
+
+    def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
+        return Forward(x=grouped_rows(x.hp, splits.device), w=weights.params,
+                       saved_x=x.hp if need.wgrad else None, saved_w=weights.params if need.dgrad else None)
+
+    def grad(self, dy, splits, need: Needs) -> Grad:
+        t = grouped_rows(dy, splits.device)
+        return Grad(dgrad=t if need.dgrad else None, wgrad=t if need.wgrad else None, hp=dy)
+
+    def recomputed_wgrad_tokens(self, need: Needs):
+        # The activation backward reads h anyway: recomputing a costs one
+        # write instead of keeping (rows, F) alive from forward to backward.
+        return "hp" if need.wgrad else None
