@@ -20,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp8_dequantize", &lpmoe::binding::mxfp8_dequantize);
   m.def("nvfp4_quantize", &lpmoe::binding::nvfp4_quantize);
   m.def("nvfp4_dequantize", &lpmoe::binding::nvfp4_dequantize);
+  m.def("activation_forward", &lpmoe::binding::activation_forward);
+  m.def("activation_backward", &lpmoe::binding::activation_backward);
+  m.def("activation_probs_grad", &lpmoe::binding::activation_probs_grad);
   m.def("grouped_gemm_setup_bytes", &lpmoe::binding::grouped_gemm_setup_bytes);
   m.def("grouped_gemm_cutlass", &lpmoe::binding::grouped_gemm_cutlass);
   m.def("grouped_gemm_cublas", &lpmoe::binding::grouped_gemm_cublas);

@@ -57,6 +57,25 @@ void nvfp4_dequantize(const at::Tensor& data, const at::Tensor& scale, const at:
                       const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors, int64_t rows,
                       int64_t cols, const at::Tensor& out, int64_t max_row_tiles);
 
+// Fused activations (csrc/activation); see lpmoe/activation/kernels.py.
+void activation_forward(const at::Tensor& h, int64_t kind, double alpha, double limit, int64_t ffn,
+                        const c10::optional<at::Tensor>& probs, const c10::optional<at::Tensor>& padded_row_offsets,
+                        int64_t num_tensors, int64_t max_row_tiles, const c10::optional<at::Tensor>& out,
+                        const c10::optional<at::Tensor>& fp8_data, const c10::optional<at::Tensor>& fp8_scale,
+                        const c10::optional<at::Tensor>& fp8_col_data, const c10::optional<at::Tensor>& fp8_col_scale,
+                        bool pow2_scales, double amax_epsilon);
+void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind, double alpha, double limit,
+                         int64_t ffn, const c10::optional<at::Tensor>& probs,
+                         const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors,
+                         int64_t max_row_tiles, const c10::optional<at::Tensor>& dh,
+                         const c10::optional<at::Tensor>& dh_data, const c10::optional<at::Tensor>& dh_scale,
+                         const c10::optional<at::Tensor>& dh_col_data, const c10::optional<at::Tensor>& dh_col_scale,
+                         const c10::optional<at::Tensor>& dbias_workspace, const c10::optional<at::Tensor>& a_out,
+                         const c10::optional<at::Tensor>& a_col_data, const c10::optional<at::Tensor>& a_col_scale,
+                         const c10::optional<at::Tensor>& probs_partials, bool pow2_scales, double amax_epsilon);
+void activation_probs_grad(const at::Tensor& partials, int64_t rows, int64_t blocks,
+                           const c10::optional<at::Tensor>& used_rows, const at::Tensor& out);
+
 // Grouped GEMM (csrc/gemm); see lpmoe/gemm.
 int64_t grouped_gemm_setup_bytes(int64_t num_groups);
 void grouped_gemm_cutlass(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,

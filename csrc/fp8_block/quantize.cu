@@ -2,243 +2,20 @@
 // rowwise and transposed columnwise outputs in one pass over the input, with
 // optional per-tile column sums for a fused, deterministic bias gradient.
 //
-// One CTA = one 128x128 input tile.  Thread (c, g) with c = tid % 16 and
-// g = tid / 16 holds 8 consecutive rows (8g .. 8g+7) x 8 consecutive columns
-// (8c .. 8c+7) in registers:
-//  * a 1x128 row block is spread over the 16 lanes of a half-warp, so its
-//    amax is 4 shuffles;
-//  * a 128x1 column block is spread over 16 row groups: shuffle across the
-//    two half-warps, then 8 warps through shared memory;
-//  * the transposed copy goes through a 128x128-byte shared tile; each thread
-//    writes 8-byte row chunks whose position is XOR-swizzled by the column
-//    group so the 16 lanes of a half-warp hit distinct banks.
+// One CTA works on 128x128 input tiles; the per-tile work (scales, rowwise
+// data, transposed copy, column sums) is fp8_block/tile_quantize.cuh, shared
+// with the fused activation kernels.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "common/cuda_utils.h"
-#include "common/cp_async.cuh"
-#include "common/numerics.cuh"
 #include "common/persistent_grid.h"
-#include "common/vec_io.cuh"
-#include "fp8_block/fp8_block.h"
-#include "grouped/row_tiles.cuh"
+#include "common/tile_stage.cuh"
+#include "fp8_block/tile_quantize.cuh"
 
 namespace lpmoe {
 namespace fp8_block {
-using grouped::kTile;
-using grouped::TileInfo;
-using grouped::locate_tile;
-using grouped::tile_chunk_offset;
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kVec = 8;     // elements per thread per row
-constexpr int kRowsPerThread = 8;
-
-struct Smem {
-  float red[kWarps][kTile];  // cross-warp column partials
-  float col_scale[kTile];
-  float tile_amax[kWarps];
-  __align__(16) uint8_t tposed[kTile * kTile];
-};
-
-template <typename IType, bool kE5M2, int kBlockDim>
-__device__ __forceinline__ void process_tile(const QuantizeArgs& args, const TileInfo& ti, int64_t j, int tile_x,
-                                             const RawVec8<IType> (&raw)[kRowsPerThread], Smem& sm) {
-  const int64_t K = args.cols;
-  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
-  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
-  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
-  const int c = threadIdx.x & 15;
-  const int g = threadIdx.x >> 4;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const bool col_ok = c * kVec < cols_valid;  // K % 16 == 0: whole vectors only
-  const float fp8_max = Fp8Traits<kE5M2>::kMax;
-  const float inf_scale = InputTraits<IType>::max_finite();
-  float (&red)[kWarps][kTile] = sm.red;
-  float (&col_scale)[kTile] = sm.col_scale;
-  float (&tile_amax_smem)[kWarps] = sm.tile_amax;
-  uint8_t* tposed = sm.tposed;
-
-  auto V = [&](int r, int e) { return elem<IType>(raw[r], e); };
-
-  // ---- fused bias gradient: per-tile column sums (fixed order) -----------
-  if (args.dbias_workspace != nullptr) {
-    float s[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRowsPerThread; ++r) acc += V(r, e);
-      acc += __shfl_xor_sync(0xffffffffu, acc, 16);
-      s[e] = acc;
-    }
-    if (lane < 16) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) red[warp][c * kVec + e] = s[e];
-    }
-    __syncthreads();
-    if (threadIdx.x < kTile && threadIdx.x < cols_valid) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) acc += red[w][threadIdx.x];
-      args.dbias_workspace[j * K + col0 + threadIdx.x] = acc;
-    }
-    __syncthreads();
-  }
-
-  // ---- scales -------------------------------------------------------------
-  float row_scale[kRowsPerThread];  // scale of each of this thread's rows
-  float tile_scale = 1.0f;
-  if constexpr (kBlockDim == 2) {
-    float a = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r)
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) a = amax_step(a, V(r, e));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    if (lane == 0) tile_amax_smem[warp] = a;
-    __syncthreads();
-    a = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, tile_amax_smem[w]);
-    tile_scale = compute_block_scale(a, fp8_max, args.pow2_scales, args.amax_epsilon, inf_scale);
-#pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) row_scale[r] = tile_scale;
-  } else {
-    if (args.out_data != nullptr) {
-#pragma unroll
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        float a = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) a = amax_step(a, V(r, e));
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-        row_scale[r] = compute_block_scale(a, fp8_max, args.pow2_scales, args.amax_epsilon, inf_scale);
-      }
-    }
-    if (args.out_col_data != nullptr) {
-      float a[kVec];
-      column_amax16<IType>(raw, a);
-      if (lane < 16) {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) red[warp][c * kVec + e] = a[e];
-      }
-      __syncthreads();
-      if (threadIdx.x < kTile) {
-        float m = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, red[w][threadIdx.x]);
-        col_scale[threadIdx.x] = compute_block_scale(m, fp8_max, args.pow2_scales, args.amax_epsilon, inf_scale);
-      }
-      __syncthreads();
-    }
-  }
-
-  // ---- rowwise data + scales ---------------------------------------------
-  if (args.out_data != nullptr) {
-    uint8_t* out = static_cast<uint8_t*>(args.out_data);
-#pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) {
-      const int row = g * kRowsPerThread + r;
-      if (col_ok && row < ti.rows_valid) {
-        const float s = row_scale[r];
-        uint2 packed;
-        uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-        for (int e = 0; e < kVec; e += 2) h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), s), __fmul_rn(V(r, e + 1), s));
-        *reinterpret_cast<uint2*>(out + (ti.row0 + row) * K + col0 + c * kVec) = packed;
-      }
-    }
-    if constexpr (kBlockDim == 1) {
-      // (bX, round_up(M_t,4)) per member; rows in [M_t, round_up(M_t,4)) are 0.
-      const int64_t ld = round_up<int64_t>(ti.m, 4);
-      float* sc = args.out_scale + bx_count * ti.pad4_start + tile_x * ld;
-      if (c == 0) {
-#pragma unroll
-        for (int r = 0; r < kRowsPerThread; ++r) {
-          const int row = g * kRowsPerThread + r;
-          const int64_t lrow = ti.local_tile * kTile + row;
-          if (row < ti.rows_valid) sc[lrow] = __fdiv_rn(1.0f, row_scale[r]);
-          else if (lrow < ld) sc[lrow] = 0.0f;
-        }
-      }
-    } else {
-      if (threadIdx.x == 0) {
-        const int ld = round_up(bx_count, 4);
-        float* sc = args.out_scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld;
-        sc[tile_x] = __fdiv_rn(1.0f, tile_scale);
-        if (tile_x == bx_count - 1)
-          for (int x = bx_count; x < ld; ++x) sc[x] = 0.0f;
-      }
-    }
-  }
-
-  // ---- columnwise (transposed) data + scales ------------------------------
-  if (args.out_col_data != nullptr) {
-    // Stage FP8 bytes transposed: column (8c+e) becomes tile row, its 8
-    // values for rows 8g..8g+7 one 8-byte chunk.
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      const int col = c * kVec + e;
-      const float s = kBlockDim == 2 ? tile_scale : col_scale[col];
-      uint2 packed;
-      uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-      for (int r = 0; r < kRowsPerThread; r += 2) {
-        h[r / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), s), __fmul_rn(V(r + 1, e), s));
-      }
-      *reinterpret_cast<uint2*>(tposed + tile_chunk_offset(col, g)) = packed;
-    }
-    __syncthreads();
-
-    // Member block is (K, pitch) with pitch = round_up(M_t,128) (grouped) or
-    // M (single tensor).  Padded tokens are real zeros: rows >= rows_valid
-    // were loaded as 0.
-    const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
-    const int tokens = args.pad_columnwise_tokens ? kTile : ti.rows_valid;
-    uint8_t* out = static_cast<uint8_t*>(args.out_col_data) + K * ti.pad128_start +
-                   ti.local_tile * kTile;  // pad128_start is 0 for a single tensor
-    const bool aligned16 = (pitch % 16) == 0;
-    for (int u = threadIdx.x; u < kTile * (kTile / 16); u += kThreads) {
-      const int col = u >> 3;
-      const int q = u & 7;
-      if (col >= cols_valid) continue;
-      const int tok0 = q * 16;
-      if (tok0 >= tokens) continue;
-      uint4 val;
-      *reinterpret_cast<uint2*>(&val.x) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q));
-      *reinterpret_cast<uint2*>(&val.z) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q + 1));
-      uint8_t* dst = out + (col0 + col) * pitch + tok0;
-      if (aligned16 && tok0 + 16 <= tokens) {
-        *reinterpret_cast<uint4*>(dst) = val;
-      } else {
-        const uint8_t* b = reinterpret_cast<const uint8_t*>(&val);
-        for (int i = 0; i < 16 && tok0 + i < tokens; ++i) dst[i] = b[i];
-      }
-    }
-
-    if constexpr (kBlockDim == 1) {
-      // (ceil(M_t/128), round_up(K,4)) per member; K % 16 == 0, so no padding.
-      const int64_t ld = round_up<int64_t>(K, 4);
-      float* sc = args.out_col_scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col0;
-      if (threadIdx.x < cols_valid) sc[threadIdx.x] = __fdiv_rn(1.0f, col_scale[threadIdx.x]);
-    } else {
-      if (threadIdx.x == 0) {
-        // (bX, round_up(ceil(M_t/128),4)) per member at bX * pad512/128.
-        const int64_t tiles_m = ceil_div<int64_t>(ti.m, kTile);
-        const int64_t ld = round_up<int64_t>(tiles_m, 4);
-        float* sc = args.out_col_scale + bx_count * (ti.pad512_start / kTile) + tile_x * ld;
-        sc[ti.local_tile] = __fdiv_rn(1.0f, tile_scale);
-        if (ti.local_tile == tiles_m - 1)
-          for (int64_t y = tiles_m; y < ld; ++y) sc[y] = 0.0f;
-      }
-    }
-  }
-}
 
 // ---- one tile per CTA (2D blocks and rowwise-only output: measured faster
 // this way, docs/perf-notes.md) --------------------------------------------
@@ -271,42 +48,17 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const Quanti
   process_tile<IType, kE5M2, kBlockDim>(args, ti, j, tile_x, raw, sm);
 }
 
-// ---- persistent driver: next tile streams into shared memory (cp.async)
-// while the current one is reduced and transposed from registers. ---------
-// Each thread stages exactly the 8 rows x 8 columns it will read back, so a
-// thread only waits for its own copies: no barrier guards the stage buffer.
+// ---- persistent driver: next tile streams into shared memory (cp.async,
+// common/tile_stage.cuh) while the current one is reduced and transposed
+// from registers. ---------------------------------------------------------
 template <typename IType>
 __device__ __forceinline__ void prefetch_tile(const QuantizeArgs& args, const TileInfo& ti, int tile_x,
                                               uint8_t* stage) {
-  constexpr int kChunks = static_cast<int>(sizeof(IType)) / 2;  // 16-byte chunks per 8 elements
-  const int64_t K = args.cols;
   const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
-  const int c = threadIdx.x & 15;
-  const int g = threadIdx.x >> 4;
-  const bool col_ok = c * kVec < K - col0;
-  const IType* in = static_cast<const IType*>(args.input);
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int row = g * kRowsPerThread + r;
-    const bool ok = col_ok && row < ti.rows_valid;
-    const IType* src = ok ? in + (ti.row0 + row) * K + col0 + c * kVec : in;
-    uint8_t* dst = stage + (row * kTile + c * kVec) * sizeof(IType);
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) cp_async_16(dst + 16 * i, reinterpret_cast<const uint8_t*>(src) + 16 * i, ok);
-  }
+  const int64_t left = args.cols - col0;
+  const IType* in = static_cast<const IType*>(args.input) + ti.row0 * args.cols + col0;
+  stage_tile_async<IType>(stage, in, args.cols, ti.rows_valid, static_cast<int>(left < kTile ? left : kTile));
   cp_async_commit();
-}
-
-template <typename IType>
-__device__ __forceinline__ void read_stage(const uint8_t* stage, RawVec8<IType> (&raw)[kRowsPerThread]) {
-  const int c = threadIdx.x & 15;
-  const int g = threadIdx.x >> 4;
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const uint8_t* p = stage + ((g * kRowsPerThread + r) * kTile + c * kVec) * sizeof(IType);
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = *reinterpret_cast<const uint4*>(p + 16 * i);
-  }
 }
 
 // Used for 1D blocks with a transposed output, where the column reduction
@@ -329,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_persistent_kernel(const 
   while (true) {
     cp_async_wait_all();
     RawVec8<IType> raw[kRowsPerThread];
-    read_stage<IType>(stage, raw);
+    read_stage_tile<IType>(stage, raw);
     // Start the next tile's copy before working on this one.
     const int64_t nidx = idx + gridDim.x;
     const int64_t nj = nidx / bx_count;

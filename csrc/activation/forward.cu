@@ -1,0 +1,110 @@
+// Fused activation forward: h (rows, W) -> a = act(h) [* probs], rounded to
+// the input dtype, written as high precision and/or as the FP8 block 1x128
+// grouped operand of fc2 (rowwise + transposed columnwise).
+//
+// One pass over h: the gate (and value) tiles stream through shared memory
+// (act_tiles.cuh); each thread computes its 8x8 block of a in registers and
+// hands it to the tile quantizer.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "activation/act_math.cuh"
+#include "activation/act_tiles.cuh"
+#include "activation/activation.h"
+#include "fp8_block/tile_quantize.cuh"
+
+namespace lpmoe {
+namespace activation {
+namespace {
+
+template <Kind K>
+constexpr int forward_inputs() { return is_glu(K) ? 2 : 1; }
+
+// Stages so the inputs of three tiles (two for GLU) are in flight: ~192 KB.
+template <Kind K>
+constexpr int forward_stages() { return is_glu(K) ? 3 : 6; }
+
+template <typename IType, Kind K, bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const ForwardArgs args) {
+  extern __shared__ __align__(128) uint8_t stages[];
+  __shared__ fp8_block::Smem sm;
+  constexpr int kIn = forward_inputs<K>();
+  constexpr int kTileBytes = stage_tile_bytes<IType>();
+  const Common& c = args.c;
+  const int64_t ld = is_glu(K) ? 2 * c.ffn : c.ffn;
+  const IType* h = static_cast<const IType*>(args.h);
+
+  auto stage = [&](uint8_t* buf, const TileRef& t) {
+    const IType* gate = h + t.ti.row0 * ld + static_cast<int64_t>(t.x) * kTile;
+    stage_tile_async<IType>(buf, gate, ld, t.ti.rows_valid, t.cols_valid);
+    if constexpr (kIn == 2) stage_tile_async<IType>(buf + kTileBytes, gate + c.ffn, ld, t.ti.rows_valid, t.cols_valid);
+  };
+  auto process = [&](uint8_t* buf, const TileRef& t) {
+    float p[kStageRowsPerThread];
+    load_row_probs(c, t, p);
+    RawVec8<IType> gate[kStageRowsPerThread], out[kStageRowsPerThread];
+    read_stage_tile<IType>(buf, gate);
+#pragma unroll
+    for (int r = 0; r < kStageRowsPerThread; ++r) {
+      RawVec8<IType> value[1];
+      if constexpr (kIn == 2) {
+        // one row of the value tile at a time keeps the registers low
+        const int cc = threadIdx.x & 15, g = threadIdx.x >> 4;
+        const uint8_t* src = buf + kTileBytes + ((g * kStageRowsPerThread + r) * kTile + cc * 8) * sizeof(IType);
+#pragma unroll
+        for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) value[0].w[i] = reinterpret_cast<const uint4*>(src)[i];
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float v = kIn == 2 ? elem<IType>(value[0], e) : 0.0f;
+        float u = math::forward<K>(elem<IType>(gate[r], e), v, c.params);
+        if (c.probs != nullptr) u = math::mul(u, p[r]);
+        set_elem<IType>(out[r], e, u);
+      }
+    }
+    if (args.out != nullptr) store_tile<IType>(static_cast<IType*>(args.out), c.ffn, static_cast<int64_t>(t.x) * kTile, t, out);
+    if constexpr (kFp8) fp8_block::process_tile<IType, false, 1>(args.fp8, t.ti, t.j, t.x, out, sm);
+  };
+  for_each_tile<forward_stages<K>()>(c, stages, kIn * kTileBytes, stage, process);
+}
+
+template <typename IType, Kind K, bool kFp8>
+cudaError_t launch_typed(const ForwardArgs& a, cudaStream_t stream) {
+  auto kernel = forward_kernel<IType, K, kFp8>;
+  const int smem = forward_stages<K>() * forward_inputs<K>() * stage_tile_bytes<IType>();
+  dim3 grid;
+  LPMOE_RETURN_IF_ERROR(persistent_grid(kernel, kThreads, smem, a.c.max_row_tiles * ceil_div<int64_t>(a.c.ffn, kTile), grid));
+  kernel<<<grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename IType, bool kFp8>
+cudaError_t launch_kind(const ForwardArgs& a, cudaStream_t stream) {
+  switch (a.c.kind) {
+    case Kind::kSwiGLU: return launch_typed<IType, Kind::kSwiGLU, kFp8>(a, stream);
+    case Kind::kGeGLU: return launch_typed<IType, Kind::kGeGLU, kFp8>(a, stream);
+    case Kind::kGELU: return launch_typed<IType, Kind::kGELU, kFp8>(a, stream);
+    case Kind::kReLU: return launch_typed<IType, Kind::kReLU, kFp8>(a, stream);
+    case Kind::kClampedSwiGLU: return launch_typed<IType, Kind::kClampedSwiGLU, kFp8>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_forward(const ForwardArgs& a, cudaStream_t stream) {
+  const bool fp8 = a.fp8.out_data != nullptr || a.fp8.out_col_data != nullptr;
+  if (a.c.rows < 0 || a.c.ffn < 0 || a.c.ffn % 16 != 0) return cudaErrorInvalidValue;
+  if (fp8 && (a.fp8.e5m2 || a.fp8.block_dim != 1 || a.fp8.cols != a.c.ffn || a.c.dtype != DType::kBFloat16))
+    return cudaErrorInvalidValue;
+  if (a.c.rows == 0 || a.c.ffn == 0 || a.c.max_row_tiles == 0 || (!fp8 && a.out == nullptr)) return cudaSuccess;
+  if (fp8) return launch_kind<__nv_bfloat16, true>(a, stream);
+  switch (a.c.dtype) {
+    case DType::kBFloat16: return launch_kind<__nv_bfloat16, false>(a, stream);
+    case DType::kFloat16: return launch_kind<__half, false>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace activation
+}  // namespace lpmoe

@@ -1,0 +1,61 @@
+// Streaming 128x128 tiles through shared memory with cp.async, for kernels
+// whose thread (c, g) of 256 works on rows 8g .. 8g+7 x columns 8c .. 8c+7
+// (the FP8 block tile layout, fp8_block/tile_quantize.cuh).
+//
+// Each thread copies exactly the 8 x 16-byte pieces it reads back later, so a
+// thread only waits for its own copies (cp.async.wait_group): no barrier
+// guards a stage, and several stages can be in flight per thread.
+#pragma once
+
+#include <cstdint>
+
+#include "common/cp_async.cuh"
+#include "common/vec_io.cuh"
+
+namespace lpmoe {
+
+constexpr int kStageTile = 128;
+constexpr int kStageRowsPerThread = 8;
+
+// Bytes of one 128x128 stage of IType.
+template <typename IType>
+constexpr int stage_tile_bytes() {
+  return kStageTile * kStageTile * static_cast<int>(sizeof(IType));
+}
+
+// Issue the copies of this thread's part of the tile whose (0, 0) element is
+// `origin` in a row-major matrix with row pitch `ld` (elements).  Rows >=
+// rows_valid and columns >= cols_valid are zero-filled (cols_valid a
+// multiple of 8).  Does not commit the group.
+template <typename IType>
+__device__ __forceinline__ void stage_tile_async(uint8_t* stage, const IType* origin, int64_t ld, int rows_valid,
+                                                 int cols_valid) {
+  constexpr int kChunks = static_cast<int>(sizeof(IType)) / 2;  // 16-byte chunks per 8 elements
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const bool col_ok = c * 8 < cols_valid;
+#pragma unroll
+  for (int r = 0; r < kStageRowsPerThread; ++r) {
+    const int row = g * kStageRowsPerThread + r;
+    const bool ok = col_ok && row < rows_valid;
+    const IType* src = ok ? origin + row * ld + c * 8 : origin;
+    uint8_t* dst = stage + (row * kStageTile + c * 8) * sizeof(IType);
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) cp_async_16(dst + 16 * i, reinterpret_cast<const uint8_t*>(src) + 16 * i, ok);
+  }
+}
+
+// This thread's 8 rows x 8 columns of a stage.
+template <typename IType>
+__device__ __forceinline__ void read_stage_tile(const uint8_t* stage, RawVec8<IType> (&raw)[kStageRowsPerThread]) {
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+#pragma unroll
+  for (int r = 0; r < kStageRowsPerThread; ++r) {
+    const uint8_t* p = stage + ((g * kStageRowsPerThread + r) * kStageTile + c * 8) * sizeof(IType);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) raw[r].w[i] = *reinterpret_cast<const uint4*>(p + 16 * i);
+  }
+}
+
+}  // namespace lpmoe
