@@ -279,8 +279,9 @@ class _Spy:
 # every module that calls it).
 SPY_SITES = {
     "grouped_gemm": ("lpmoe.functional.linear_steps",),
-    "group_quantize": ("lpmoe.policy.fp8_block", "lpmoe.policy.emulated", "lpmoe.functional.weights"),
-    "group_quantize_dbias": ("lpmoe.policy.fp8_block",),
+    "group_quantize": ("lpmoe.policy.fp8_block", "lpmoe.policy.emulated", "lpmoe.functional.weights",
+                       "lpmoe.activation.kernels"),
+    "group_quantize_dbias": ("lpmoe.policy.fp8_block", "lpmoe.activation.kernels"),
 }
 
 

@@ -6,6 +6,10 @@ Public API:
   NVFP4Quantizer                           format descriptions (lpmoe.quantizers)
   splits_to_offsets                        device prefix sums (lpmoe.grouped_offsets)
   reference                                pure-PyTorch bit-exact formats (lpmoe.reference)
+  grouped_gemm                             grouped fprop/dgrad/wgrad (lpmoe.gemm)
+  GroupedLinear, GroupedMLP                expert layers (lpmoe.module), functional forms in lpmoe.functional
+  activation                               expert-MLP activations and their fused kernels
+  recipe, autocast, ops                    recipes, the autocast context, composable ops
 """
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer  # noqa: F401
 from lpmoe.grouped_offsets import splits_to_offsets  # noqa: F401
@@ -26,5 +30,6 @@ from lpmoe.gemm import grouped_gemm  # noqa: F401,E402
 from lpmoe import recipe  # noqa: F401,E402
 from lpmoe.autocast import autocast, get_autocast_recipe  # noqa: F401,E402
 from lpmoe import functional  # noqa: F401,E402
-from lpmoe.module import GroupedLinear  # noqa: F401,E402
+from lpmoe.module import GroupedLinear, GroupedMLP  # noqa: F401,E402
+from lpmoe import activation  # noqa: F401,E402
 from lpmoe import ops  # noqa: F401,E402

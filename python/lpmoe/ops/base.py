@@ -24,6 +24,8 @@ class BasicOperation(torch.nn.Module):
     supports_float8_block_scaling = False
     #: forward takes (x, m_splits) rather than (x,)
     takes_m_splits = False
+    #: forward takes optional per-row scales: (x, probs)
+    takes_probs = False
 
     def __call__(self, *args, **kwargs):
         # Gate every call, whether or not a subclass's forward asks.

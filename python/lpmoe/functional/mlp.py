@@ -1,0 +1,263 @@
+"""``lpmoe.functional.grouped_mlp``: an expert MLP with a fused activation.
+
+    h = fc1(x)           (rows, W)      W = 2F for GLU activations
+    a = act(h) * probs   (rows, F)      the fused activation kernel
+    y = fc2(a)           (rows, H)
+
+Under ``Float8BlockScaling`` the activation kernel writes fc2's input directly
+as the FP8 block operand of its fprop GEMM, and in the backward it reads fc2's
+input gradient and h once and writes fc1's output gradient directly as the
+FP8 operands of fc1's dgrad and wgrad GEMMs (plus fc1's bias gradient), and
+recomputes fc2's transposed input for fc2's weight gradient.  The forward
+keeps: the transposed FP8 copy of x, the transposed FP8 weights, h (once)
+and probs; nothing of a.  Results are bit-identical to running the layers
+unfused (GroupedLinear, lpmoe.activation.activation, GroupedLinear) under the
+same recipe.  Other recipes run the same sequence with a high-precision
+activation in between (see lpmoe.policy for what each recipe saves).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from lpmoe.activation import kernels
+from lpmoe.activation.spec import Activation, parse_activation
+from lpmoe.autocast import get_autocast_recipe
+from lpmoe.functional import saved
+from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
+from lpmoe.functional.linear_steps import dgrad_step, linear_forward, wgrad_step
+from lpmoe.functional.splits import Splits, parse_splits
+from lpmoe.functional.weights import WeightCache, WeightSource
+from lpmoe.policy import Grad, LinearPolicy, Needs, Tokens, grouped_rows, policy_for
+from lpmoe.policy.fp8_block import grad_views
+from lpmoe.quantizers import Quantizer
+from lpmoe.recipe import Recipe
+
+__all__ = ["grouped_mlp", "LayerParams", "CALLS"]
+
+#: calls of the fused MLP autograd function (tests prove which path ran)
+CALLS = {"grouped_mlp": 0}
+
+
+@dataclass
+class LayerParams:
+    """One grouped linear layer of the MLP: G weights (out, in), optional G
+    biases, and the options of :func:`lpmoe.functional.grouped_linear`."""
+    weights: Sequence[torch.Tensor]
+    biases: Optional[Sequence[torch.Tensor]] = None
+    weight_cache: Optional[WeightCache] = None
+    fuse_wgrad_accumulation: bool = False
+
+
+@dataclass
+class _Layer:
+    policy: LinearPolicy
+    num: int
+    has_bias: bool
+    weight_cache: Optional[WeightCache]
+    fuse_wgrad_accumulation: bool
+    shape: tuple = field(default=())
+
+
+@dataclass
+class _Config:
+    spec: Activation
+    splits: Splits
+    fc1: _Layer
+    fc2: _Layer
+    has_probs: bool
+    is_first_microbatch: Optional[bool]
+    grad_enabled: bool
+
+
+def _split_params(params, layer: _Layer):
+    n = layer.num
+    return list(params[:n]), (list(params[n:2 * n]) if layer.has_bias else None), n * (2 if layer.has_bias else 1)
+
+
+class _GroupedMLP(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x2d, probs, cfg: _Config, *params):
+        w1, b1, used = _split_params(params, cfg.fc1)
+        w2, b2, _ = _split_params(params[used:], cfg.fc2)
+        flags = [cfg.grad_enabled and r for r in ctx.needs_input_grad]
+        f1, f2 = flags[3:3 + used], flags[3 + used:]
+        n = cfg.fc1.num
+        need1 = Needs(dgrad=flags[0], wgrad=any(f1[:n]), dbias=cfg.fc1.has_bias and any(f1[n:]))
+        need_probs = cfg.has_probs and flags[1]
+        need_act = need1.any or need_probs  # anything upstream of the activation trains
+        need2 = Needs(dgrad=need_act, wgrad=any(f2[:n]), dbias=cfg.fc2.has_bias and any(f2[n:]))
+        splits, spec = cfg.splits, cfg.spec
+
+        ws1 = WeightSource(w1, cfg.fc1.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+        h, fw1 = linear_forward(cfg.fc1.policy, Tokens(hp=x2d), ws1, b1, splits, need1)
+        write_hp, q_act = cfg.fc2.policy.activation_output(need2)
+        act = kernels.forward(h, spec, probs, splits.device, write_hp=write_hp or q_act is None, quantizer=q_act)
+        ws2 = WeightSource(w2, cfg.fc2.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+        y, fw2 = linear_forward(cfg.fc2.policy, Tokens(hp=act.hp, quantized=act.quantized), ws2, b2, splits, need2)
+        del act
+
+        recompute = cfg.fc2.policy.recomputed_wgrad_tokens(need2)
+        keep_h = need_act or recompute is not None
+        saved.save(ctx, fw1.saved_x if need1.wgrad else None, fw1.saved_w if need1.dgrad else None,
+                   h if keep_h else None, probs if keep_h else None,
+                   fw2.saved_x if need2.wgrad and recompute is None else None,
+                   fw2.saved_w if need2.dgrad else None)
+        ctx.cfg, ctx.needs = cfg, (need1, need2, need_probs, recompute)
+        ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
+                          w2 if cfg.fc2.fuse_wgrad_accumulation else None)
+        ctx.dtype = x2d.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cfg = ctx.cfg
+        need1, need2, need_probs, recompute = ctx.needs
+        splits, spec = cfg.splits, cfg.spec
+        x1, w1s, h, probs, x2, w2s = saved.load(ctx)
+        main1, main2 = ctx.main_grads
+        ctx.main_grads = None
+        dy = grad_out.contiguous()
+        pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
+
+        grad2 = pol2.grad(dy, splits, need2)
+        da = dgrad_step(pol2, grad2, w2s, splits, cfg.fc2.shape) if need2.dgrad else None
+        del w2s
+
+        # One pass over (da, h): fc1's output gradient in the form fc1's GEMMs
+        # read, d probs, and fc2's wgrad operand recomputed.
+        q1 = pol1.grad_quantizer(need1)
+        want_a_hp = recompute == "hp" and need2.wgrad
+        q_a = recompute if isinstance(recompute, Quantizer) and need2.wgrad else None
+        res = None
+        if need2.dgrad:
+            res = kernels.backward(da, h, spec, probs, splits.device, dh_hp=need1.any and q1 is None,
+                                   dh_quantizer=q1, dbias=need1.dbias and q1 is not None, a_hp=want_a_hp,
+                                   a_quantizer=q_a, dprobs=need_probs)
+        elif want_a_hp or q_a is not None:
+            fwd = kernels.forward(h, spec, probs, splits.device, write_hp=want_a_hp, quantizer=q_a)
+            res = kernels.BackwardResult(a=fwd.hp, a_quantized=fwd.quantized)
+        del da, h
+
+        if need2.wgrad and recompute is not None:
+            tokens2 = res.a_quantized if q_a is not None else grouped_rows(res.a, splits.device)
+        else:
+            tokens2 = pol2.wgrad_tokens(x2, splits) if need2.wgrad else None
+        w2_grads, b2_grads = wgrad_step(grad2, tokens2, splits, need2, num=cfg.fc2.num, dtype=ctx.dtype,
+                                        main_grad_weights=main2)
+        del grad2, tokens2, x2
+
+        dx, w1_grads, b1_grads, dprobs = None, [None] * cfg.fc1.num, None, None
+        if res is not None and need2.dgrad:
+            dprobs = res.dprobs if need_probs else None
+            if need1.any:
+                if q1 is not None:
+                    grad1 = grad_views(res.dh_quantized, need1, res.dbias)
+                else:
+                    grad1 = pol1.grad(res.dh, splits, need1) if (need1.dgrad or need1.wgrad) else Grad(hp=res.dh)
+                res = None
+                dx = dgrad_step(pol1, grad1, w1s, splits, cfg.fc1.shape) if need1.dgrad else None
+                tokens1 = pol1.wgrad_tokens(x1, splits) if need1.wgrad else None
+                w1_grads, b1_grads = wgrad_step(grad1, tokens1, splits, need1, num=cfg.fc1.num, dtype=ctx.dtype,
+                                                main_grad_weights=main1)
+        grads = [dx, dprobs, None] + w1_grads
+        if cfg.fc1.has_bias:
+            grads += b1_grads if b1_grads is not None else [None] * cfg.fc1.num
+        grads += w2_grads
+        if cfg.fc2.has_bias:
+            grads += b2_grads if b2_grads is not None else [None] * cfg.fc2.num
+        return tuple(grads)
+
+
+def _check_probs(probs, inp: torch.Tensor) -> Optional[torch.Tensor]:
+    if probs is None:
+        return None
+    lead = tuple(inp.shape[:-1])
+    if not isinstance(probs, torch.Tensor) or tuple(probs.shape) not in (lead, lead + (1,)):
+        got = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+        raise ValueError(f"probs must have one value per token row, shape {lead}, got {got}")
+    if probs.dtype not in (torch.float32, torch.bfloat16, torch.float16) or probs.device != inp.device:
+        raise TypeError(f"probs must be fp32/bf16/fp16 on {inp.device}, got {probs.dtype} on {probs.device}")
+    return probs.reshape(-1)
+
+
+def _layer(params: LayerParams, name: str):
+    if not isinstance(params, LayerParams):
+        raise TypeError(f"{name} must be an lpmoe.functional.LayerParams, got {type(params).__name__}")
+    if params.weight_cache is not None and not isinstance(params.weight_cache, WeightCache):
+        raise TypeError(f"{name}.weight_cache must be an lpmoe.functional.WeightCache, got "
+                        f"{type(params.weight_cache).__name__}")
+    if not isinstance(params.fuse_wgrad_accumulation, bool):
+        raise TypeError(f"{name}.fuse_wgrad_accumulation must be a bool, got {params.fuse_wgrad_accumulation!r}")
+    return params
+
+
+def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams, *,
+                activation: Union[str, Activation] = "swiglu", probs: Optional[torch.Tensor] = None,
+                recipe: Optional[Recipe] = None, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+    """Expert MLP ``fc2(act(fc1(x)) * probs)`` with the activation fused (see
+    the module docstring).
+
+    Args:
+        inp: (tokens, hidden) or (..., hidden) grouped by expert, as for
+            :func:`lpmoe.functional.grouped_linear` (rows past sum(m_splits)
+            are a capacity tail: output and input-gradient rows there are 0).
+        m_splits: tokens per expert (CUDA int tensor: graph-safe; list / CPU
+            tensor: host path).
+        fc1: G weights (W, hidden) with W = 2*ffn for GLU activations (gate
+            rows first), biases optional.  fc2: G weights (hidden, ffn).
+        activation: "swiglu" (default), "geglu", "gelu", "relu",
+            "clamped_swiglu", or an :class:`lpmoe.activation.Activation`.
+        probs: optional per-token scales (router probabilities) multiplied
+            into the activation output; their gradient is returned.
+        recipe: as for grouped_linear (None: the active lpmoe.autocast recipe).
+        is_first_microbatch: FP8 weight caching of both layers (needs their
+            weight caches; see grouped_linear).
+    Returns (..., hidden) in the input's dtype.  Errors are raised before any
+    GPU work.
+    """
+    fc1, fc2 = _layer(fc1, "fc1"), _layer(fc2, "fc2")
+    spec = parse_activation(activation)
+    g, w, hidden = check_params(inp, list(fc1.weights) if isinstance(fc1.weights, (list, tuple)) else fc1.weights,
+                                fc1.biases)
+    if spec.is_glu and w % 2:
+        raise ValueError(f"{spec.kind} needs fc1's out_features to be even (gate and value halves), got {w}")
+    ffn = w // 2 if spec.is_glu else w
+    if not isinstance(fc2.weights, (list, tuple)) or len(fc2.weights) != g:
+        raise ValueError(f"fc2.weights must be a list of {g} tensors (one per expert), got "
+                         f"{len(fc2.weights) if isinstance(fc2.weights, (list, tuple)) else type(fc2.weights).__name__}")
+    w20 = fc2.weights[0]
+    if not isinstance(w20, torch.Tensor) or tuple(w20.shape) != (hidden, ffn):
+        raise ValueError(f"fc2.weights must be (hidden={hidden}, ffn={ffn}) per expert, got "
+                         f"{tuple(w20.shape) if isinstance(w20, torch.Tensor) else type(w20).__name__}")
+    check_params(inp.new_empty((0, ffn)), fc2.weights, fc2.biases)
+    if recipe is None:
+        recipe = get_autocast_recipe()
+    x2d = inp.reshape(-1, hidden)
+    p = _check_probs(probs, inp)
+    splits = parse_splits(m_splits, g, x2d.shape[0], inp.device)
+    check_recipe(recipe, inp.dtype, w, hidden, splits, inp.is_cuda, inp.device)
+    check_recipe(recipe, inp.dtype, hidden, ffn, splits, inp.is_cuda, inp.device)
+    if inp.is_cuda and inp.dtype != torch.float32 and ffn % 16:
+        raise ValueError(f"the activation kernels need ffn to be a multiple of 16, got {ffn}")
+    if is_first_microbatch not in (None, True, False):
+        raise TypeError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
+    if is_first_microbatch is not None and (fc1.weight_cache is None or fc2.weight_cache is None):
+        raise ValueError("is_first_microbatch needs both layers' weight caches to keep the quantized weights in")
+    if torch.is_grad_enabled():
+        for lp in (fc1, fc2):
+            if lp.fuse_wgrad_accumulation:
+                check_main_grads(list(lp.weights))
+    policy = policy_for(recipe)
+    l1 = _Layer(policy, g, fc1.biases is not None, fc1.weight_cache, fc1.fuse_wgrad_accumulation,
+                (g, w, hidden))
+    l2 = _Layer(policy, g, fc2.biases is not None, fc2.weight_cache, fc2.fuse_wgrad_accumulation,
+                (g, hidden, ffn))
+    cfg = _Config(spec, splits, l1, l2, p is not None, is_first_microbatch, torch.is_grad_enabled())
+    params: List[torch.Tensor] = list(fc1.weights) + list(fc1.biases or []) + list(fc2.weights) + list(fc2.biases or [])
+    CALLS["grouped_mlp"] += 1
+    out = _GroupedMLP.apply(x2d.contiguous(), p, cfg, *params)
+    return out.view(*inp.shape[:-1], hidden)
