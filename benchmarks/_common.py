@@ -61,3 +61,14 @@ def splits_for(g: int, tokens: int, skewed: bool):
     s = [big] + [rest] * (g - 1)
     s[0] += tokens - sum(s)
     return s
+
+
+def routed_splits(g: int, tokens: int, skewed: bool, seed: int = 0):
+    """Expert splits as a router produces them (not multiples of anything):
+    a multinomial draw, uniform over experts or with half of the probability
+    on expert 0."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.full((g,), 1.0 / g) if not skewed else torch.cat([torch.tensor([0.5]),
+                                                                   torch.full((g - 1,), 0.5 / (g - 1))])
+    picks = torch.multinomial(probs, tokens, replacement=True, generator=gen)
+    return torch.bincount(picks, minlength=g).tolist()

@@ -1,8 +1,10 @@
-"""Where the time of one expert-MLP training step goes (GPU machine): the
-kernels of one fp8 and one bf16 forward+backward step of the benchmark's
-DeepSeek-V3-like MLP, by total CUDA time (torch.profiler).
+"""Where the GPU time of one expert-MLP training step goes: the kernels of one
+forward+backward step of lpmoe.GroupedMLP (DeepSeek-V3 expert shapes, as
+benchmarks/bench_grouped_mlp.py, router probabilities applied), FP8 block
+scaling and bf16, by total CUDA time (torch.profiler), with the share of the
+step spent outside the GEMMs.
 
-    PYTHONPATH=python:benchmarks python3 tools/profile_mlp_step.py [experts] [tokens]
+    PYTHONPATH=python:benchmarks python3 tools/profile_mlp_step.py [experts] [tokens] [--cached]
 """
 import sys
 
@@ -10,30 +12,50 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import lpmoe
-from bench_grouped_linear import HIDDEN, ExpertMLP
+from bench_grouped_mlp import FFN, HIDDEN
 from lpmoe.recipe import Float8BlockScaling
 
-g = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 65536
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+cached = "--cached" in sys.argv
+g = int(args[0]) if len(args) > 0 else 8
+tokens = int(args[1]) if len(args) > 1 else 65536
 m = torch.tensor([tokens // g] * g, device="cuda")
 x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+p = torch.rand(tokens, device="cuda", requires_grad=True)
 dy = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-for name, recipe in (("fp8", Float8BlockScaling()), ("bf16", None)):
-    mlp = ExpertMLP(g)
 
-    def step():
+
+def is_gemm(name: str) -> bool:
+    n = name.lower()
+    return any(k in n for k in ("gemm", "cutlass", "device_kernel", "xmma", "cublas", "sm90_"))
+
+
+for name, recipe in (("fp8", Float8BlockScaling()), ("bf16", None)):
+    mlp = lpmoe.GroupedMLP(g, HIDDEN, FFN, params_dtype=torch.bfloat16, device="cuda")
+    first = True if cached and recipe is not None else None
+
+    def step(fmb):
+        x.grad = p.grad = None
         mlp.zero_grad(set_to_none=True)
         with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
-            mlp(x, m).backward(dy)
+            mlp(x, m, probs=p, is_first_microbatch=fmb).backward(dy)
 
-    for _ in range(3):
-        step()
+    step(first)
+    fmb = False if first else None
+    for _ in range(2):
+        step(fmb)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        step(fmb)
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"== {name}: {g} experts x {tokens} tokens, GPU kernel time {total:.2f} ms")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
-        print(f"  {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<3d} {e.key[:110]}")
+    gemm = sum(e.self_device_time_total for e in events if is_gemm(e.key)) / 1e3
+    print(f"== {name}{' cachedW' if fmb is False else ''}: {g} experts x {tokens} tokens, GPU kernel time "
+          f"{total:.2f} ms: GEMMs {gemm:.2f} ms, outside the GEMMs {total - gemm:.2f} ms "
+          f"({100 * (total - gemm) / total:.1f} %)")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:16]:
+        tag = "gemm" if is_gemm(e.key) else "    "
+        print(f"  {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<3d} {tag} {e.key[:100]}")
+    del mlp
+    torch.cuda.empty_cache()

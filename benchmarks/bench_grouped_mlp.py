@@ -1,0 +1,154 @@
+"""Expert MLP forward+backward at DeepSeek-V3 expert shapes (7168 -> 2x2048
+SwiGLU -> 7168, router probabilities applied), side by side in one run:
+
+  fp8        lpmoe.GroupedMLP under lpmoe.autocast(Float8BlockScaling()), FP8
+             weights quantized every step; "fp8 cachedW": is_first_microbatch=False
+             (later micro-batches of a step reuse the cached FP8 weights)
+  bf16       the same module without a recipe (bf16 grouped GEMMs, fused bf16 activation)
+  torch      torch._grouped_mm fc1 -> F.silu(gate) * value * probs -> torch._grouped_mm fc2
+             (PyTorch's own grouped GEMMs, autograd)
+
+Graph-safe device m_splits for lpmoe, device offsets for torch.  Reports ms
+per step (median of 7 samples of 3 steps), FP8's speedup over bf16 and
+torch, and peak device memory of one step above what was allocated before it
+(parameters, inputs, dy): "fresh" allocates the weight gradients during the
+step (zero_grad(set_to_none=True)); "main_grad" accumulates them into
+preallocated fp32 buffers (fuse_wgrad_accumulation, Megatron-style; torch:
+.grad kept and accumulated), which isolates what the MLP itself needs
+(activations, operands, workspaces).
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.nn.functional as F
+
+import lpmoe
+from lpmoe.recipe import Float8BlockScaling
+
+from _common import median_ms, parser, splits_for, write_summary
+
+HIDDEN, FFN = 7168, 2048
+
+
+class TorchGroupedMLP(torch.nn.Module):
+    """The same MLP on torch._grouped_mm (bf16)."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(experts, 2 * FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.01)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, HIDDEN, FFN, device="cuda", dtype=torch.bfloat16) * 0.01)
+
+    def forward(self, x, offs, probs):
+        h = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
+        g, v = h.chunk(2, dim=-1)
+        a = F.silu(g) * v * probs[:, None].to(h.dtype)
+        return torch._grouped_mm(a, self.w2.transpose(-2, -1), offs=offs)
+
+
+def free_memory():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def measure(step, zero_grads):
+    """(ms per step, peak GiB above the memory allocated before the step)."""
+    step()
+    zero_grads()
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return median_ms(step, warmup=2, iters=7, reps=3), peak
+
+
+def run_case(g, tokens, skewed):
+    splits = splits_for(g, tokens, skewed)
+    m = torch.tensor(splits, device="cuda")
+    offs = torch.cumsum(m, 0).to(torch.int32)
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    p = torch.rand(tokens, device="cuda", requires_grad=True)
+    dy = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    res = {}
+
+    def leaf_grads_off():
+        x.grad = p.grad = None
+
+    for name, recipe, cached in (("fp8", Float8BlockScaling(), False), ("fp8 cachedW", Float8BlockScaling(), True),
+                                 ("bf16", None, False)):
+        for grads in ("fresh", "main_grad"):
+            main = grads == "main_grad"
+            mlp = lpmoe.GroupedMLP(g, HIDDEN, FFN, params_dtype=torch.bfloat16, device="cuda",
+                                   fuse_wgrad_accumulation=main)
+            if main:
+                for lin in (mlp.linear_fc1, mlp.linear_fc2):
+                    buf = torch.zeros((g,) + tuple(lin.weight0.shape), device="cuda")
+                    for i, w in enumerate(lin.weights):
+                        w.main_grad = buf[i]
+            if cached:
+                with lpmoe.autocast(recipe=recipe):
+                    mlp(x, m, probs=p, is_first_microbatch=True)
+
+            def step():
+                leaf_grads_off()
+                if not main:
+                    mlp.zero_grad(set_to_none=True)
+                with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
+                    mlp(x, m, probs=p, is_first_microbatch=False if cached else None).backward(dy)
+            res[(name, grads)] = measure(step, leaf_grads_off if main else lambda: mlp.zero_grad(set_to_none=True))
+            del mlp
+            free_memory()
+    tm = TorchGroupedMLP(g)
+    for grads in ("fresh", "main_grad"):
+        def tstep():
+            leaf_grads_off()
+            if grads == "fresh":
+                tm.zero_grad(set_to_none=True)
+            tm(x, offs, p).backward(dy)
+        try:
+            res[("torch", grads)] = measure(tstep, leaf_grads_off if grads == "main_grad" else
+                                            lambda: tm.zero_grad(set_to_none=True))
+        except RuntimeError as exc:  # e.g. no grouped-mm backward in this torch
+            print(f"  torch._grouped_mm MLP unavailable: {str(exc)[:100]}")
+            break
+    del tm
+    leaf_grads_off()
+    return res
+
+
+def main():
+    args = parser(__doc__).parse_args()
+    torch.manual_seed(0)
+    cases = [(8, 65536, False), (8, 65536, True), (32, 16384, False), (32, 16384, True)]
+    if args.quick:
+        cases = cases[:1]
+    print(f"device {torch.cuda.get_device_name()}  (ms per fwd+bwd step; peak GiB above the step's start)")
+    rows = []
+    for g, tokens, skewed in cases:
+        r = run_case(g, tokens, skewed)
+        free_memory()
+        tag = f"g={g} tok={tokens} {'skew' if skewed else 'unif'}"
+        cells = "  ".join(f"{n}/{gr} {v[0]:7.2f} ms {v[1]:5.2f} GiB" for (n, gr), v in r.items())
+        fp8, bf16 = r[("fp8", "fresh")], r[("bf16", "fresh")]
+        line = (f"{tag:22s} | {cells} | fp8/bf16 {bf16[0] / fp8[0]:4.2f}x "
+                f"(cachedW {bf16[0] / r[('fp8 cachedW', 'fresh')][0]:4.2f}x)")
+        mem_fresh = fp8[1] / bf16[1]
+        mem_kept = r[("fp8", "main_grad")][1] / r[("bf16", "main_grad")][1]
+        line += f" | peak fp8/bf16 {mem_fresh:4.2f} (fresh grads) {mem_kept:4.2f} (main_grad)"
+        if ("torch", "fresh") in r:
+            line += f" | fp8/torch {r[('torch', 'fresh')][0] / fp8[0]:4.2f}x, bf16/torch " \
+                    f"{r[('torch', 'fresh')][0] / bf16[0]:4.2f}x"
+        print(line, flush=True)
+        rows.append((f"mlp {tag} fp8/bf16 (cachedW) | peak fp8/bf16 fresh, main_grad",
+                     f"{bf16[0] / fp8[0]:.2f}x ({bf16[0] / r[('fp8 cachedW', 'fresh')][0]:.2f}x) | "
+                     f"{mem_fresh:.2f}, {mem_kept:.2f}"))
+    write_summary(args.summary, rows)
+
+
+if __name__ == "__main__":
+    main()
