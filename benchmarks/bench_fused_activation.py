@@ -5,12 +5,10 @@ Bytes count each input read once and each output written once (FP8 data,
 fp32 scales, bf16 values); the bandwidth ratio is to a device-to-device copy
 measured in the same run (bytes read + written).
 
-  fwd fp8 row       h (T, 2F) bf16 -> a as fc2's FP8 fprop operand (1x128 rowwise;
-                    what GroupedMLP's forward writes)
-  fwd fp8 row+col   ... plus the transposed copy (what group_quantize writes)
+  fwd fp8           h (T, 2F) bf16 -> a as fc2's FP8 operands (1x128 rowwise for
+                    fprop + transposed for wgrad: what group_quantize writes)
   bwd fp8           da (T, F), h -> dh as fc1's FP8 dgrad + wgrad operands (rowwise
-                    + transposed, fused bias partials) + a's transposed FP8 copy
-                    for fc2's wgrad (GroupedMLP's backward)
+                    + transposed, fused bias partials) and d probs
   fwd/bwd bf16      the same with high-precision outputs (BF16 GroupedMLP)
 
 Unfused baselines: "torch" = chunk/silu/mul (autograd for the backward) then
@@ -28,9 +26,7 @@ from lpmoe.quantizers import Float8BlockQuantizer
 
 from _common import copy_bandwidth_gbs, median_ms, parser, routed_splits, write_summary
 
-Q_ROW = Float8BlockQuantizer(torch.float8_e4m3fn, block_dim=1, rowwise=True, columnwise=False)
 Q_BOTH = Float8BlockQuantizer(torch.float8_e4m3fn, block_dim=1)
-Q_COL = Q_BOTH.copy(rowwise=False)
 
 
 def fp8_bytes(t: int, c: int, row: bool, col: bool) -> int:
@@ -58,31 +54,29 @@ def run_case(g, tokens, f, skewed, copy_gbs):
         rows.append((name, ms, gbs / copy_gbs, base))
         return ms
 
-    # -- forward
+    # -- forward: a as fc2's FP8 operands (rowwise + transposed)
     fwd_in = t * 2 * f * 2 + t * 4
-    ms_row = add("fwd fp8 row (fused)", lambda: kernels.forward(h, spec, p, splits, write_hp=False, quantizer=Q_ROW),
-                 fwd_in + fp8_bytes(t, f, True, False))
-    add("fwd fp8 row+col (fused)", lambda: kernels.forward(h, spec, p, splits, write_hp=False, quantizer=Q_BOTH),
-        fwd_in + fp8_bytes(t, f, True, True))
+    fwd_fp8 = fwd_in + fp8_bytes(t, f, True, True)
+    ms_fwd = add("fwd fp8 row+col (fused)", lambda: kernels.forward(h, spec, p, splits, write_hp=False,
+                                                                    quantizer=Q_BOTH), fwd_fp8)
 
     def torch_fwd():
         g_, v_ = h.chunk(2, dim=-1)
         a = F.silu(g_) * v_ * p[:, None].to(h.dtype)
-        return lpmoe.group_quantize(a, Q_ROW, g, first_dims=splits)
+        return lpmoe.group_quantize(a, Q_BOTH, g, first_dims=splits)
 
     def hp_fwd():
         a = kernels.forward(h, spec, p, None, write_hp=True).hp
-        return lpmoe.group_quantize(a, Q_ROW, g, first_dims=splits)
-    add("  unfused: torch + quantize row", torch_fwd, fwd_in + fp8_bytes(t, f, True, False), ms_row)
-    add("  unfused: lpmoe hp + quantize row", hp_fwd, fwd_in + fp8_bytes(t, f, True, False), ms_row)
+        return lpmoe.group_quantize(a, Q_BOTH, g, first_dims=splits)
+    add("  unfused: torch + quantize", torch_fwd, fwd_fp8, ms_fwd)
+    add("  unfused: lpmoe bf16 + quantize", hp_fwd, fwd_fp8, ms_fwd)
     add("fwd bf16 (fused)", lambda: kernels.forward(h, spec, p, None, write_hp=True), fwd_in + t * f * 2)
 
-    # -- backward
+    # -- backward: dh as fc1's FP8 operands, fc1's bias partials, d probs
     bwd_in = t * f * 2 + t * 2 * f * 2 + t * 4
-    bwd_out = fp8_bytes(t, 2 * f, True, True) + fp8_bytes(t, f, False, True) + t * 4
-    ms_bwd = add("bwd fp8 dh row+col, a col, dbias (fused)",
-                 lambda: kernels.backward(da, h, spec, p, splits, dh_quantizer=Q_BOTH, dbias=True,
-                                          a_quantizer=Q_COL), bwd_in + bwd_out)
+    bwd_fp8 = bwd_in + fp8_bytes(t, 2 * f, True, True) + t * 4
+    ms_bwd = add("bwd fp8 dh row+col, dbias (fused)",
+                 lambda: kernels.backward(da, h, spec, p, splits, dh_quantizer=Q_BOTH, dbias=True), bwd_fp8)
     hr = h.detach().requires_grad_(True)
     pr = p.detach().requires_grad_(True)
 
@@ -90,17 +84,15 @@ def run_case(g, tokens, f, skewed, copy_gbs):
         g_, v_ = hr.chunk(2, dim=-1)
         a = F.silu(g_) * v_ * pr[:, None].to(h.dtype)
         dh, dp = torch.autograd.grad(a, (hr, pr), da)
-        lpmoe.group_quantize_dbias(dh, Q_BOTH, g, first_dims=splits)
-        return lpmoe.group_quantize(a.detach(), Q_COL, g, first_dims=splits), dp
+        return lpmoe.group_quantize_dbias(dh, Q_BOTH, g, first_dims=splits), dp
 
     def hp_bwd():
-        r = kernels.backward(da, h, spec, p, None, dh_hp=True, a_hp=True)
-        lpmoe.group_quantize_dbias(r.dh, Q_BOTH, g, first_dims=splits)
-        return lpmoe.group_quantize(r.a, Q_COL, g, first_dims=splits)
-    add("  unfused: torch autograd + quantize", torch_bwd, bwd_in + bwd_out, ms_bwd)
-    add("  unfused: lpmoe hp + quantize", hp_bwd, bwd_in + bwd_out, ms_bwd)
-    add("bwd bf16 dh, a (fused)", lambda: kernels.backward(da, h, spec, p, None, dh_hp=True, a_hp=True),
-        bwd_in + t * 2 * f * 2 + t * f * 2 + t * 4)
+        r = kernels.backward(da, h, spec, p, None, dh_hp=True)
+        return lpmoe.group_quantize_dbias(r.dh, Q_BOTH, g, first_dims=splits), r.dprobs
+    add("  unfused: torch autograd + quantize", torch_bwd, bwd_fp8, ms_bwd)
+    add("  unfused: lpmoe bf16 + quantize", hp_bwd, bwd_fp8, ms_bwd)
+    add("bwd bf16 dh (fused)", lambda: kernels.backward(da, h, spec, p, None, dh_hp=True),
+        bwd_in + t * 2 * f * 2 + t * 4)
     return rows
 
 

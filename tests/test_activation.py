@@ -216,13 +216,12 @@ def test_gpu_hp_kernels_bitexact(kind, dtype, with_probs):
     spec = Activation(kind)
     before = dict(kernels.CALLS)
     a = kernels.forward(h.cuda(), spec, p.cuda() if with_probs else None, None, write_hp=True).hp
-    res = kernels.backward(da.cuda(), h.cuda(), spec, p.cuda() if with_probs else None, None, dh_hp=True,
-                           a_hp=True)
+    res = kernels.backward(da.cuda(), h.cuda(), spec, p.cuda() if with_probs else None, None, dh_hp=True)
     assert kernels.CALLS["fused_forward"] - before["fused_forward"] == 1
     assert kernels.CALLS["fused_backward"] - before["fused_backward"] == 1
     ra = R.activation_forward(h, kind, p)
-    rdh, ra2, rdp = R.activation_backward(da, h, kind, p)
-    assert same_bits(a, ra) == 0 and same_bits(res.a, ra2) == 0 and same_bits(res.dh, rdh) == 0
+    rdh, _, rdp = R.activation_backward(da, h, kind, p)
+    assert same_bits(a, ra) == 0 and same_bits(res.dh, rdh) == 0
     if with_probs:
         assert same_bits(res.dprobs, rdp) == 0
     else:
@@ -257,17 +256,13 @@ def test_gpu_fused_backward_fp8_bitexact(monkeypatch, splits, f, kind):
     da = rand_h(rows, f, seed=5)
     p = torch.rand(rows)
     qdh = Float8BlockQuantizer(E4M3, block_dim=1)
-    qa = Float8BlockQuantizer(E4M3, block_dim=1, rowwise=False)
     spec = Activation(kind)
     before = kernels.CALLS["fused_backward"]
-    res = kernels.backward(da.cuda(), h.cuda(), spec, p.cuda(), sp.cuda(), dh_quantizer=qdh, dbias=True,
-                           a_quantizer=qa)
+    res = kernels.backward(da.cuda(), h.cuda(), spec, p.cuda(), sp.cuda(), dh_quantizer=qdh, dbias=True)
     assert kernels.CALLS["fused_backward"] == before + 1
-    rdh, ra, rdp = R.activation_backward(da, h, kind, p)
+    rdh, _, rdp = R.activation_backward(da, h, kind, p)
     ref_dh, _ = _ref_quantized(rdh, qdh, sp)
     _assert_same_fp8(ref_dh, res.dh_quantized)
-    ref_a, _ = _ref_quantized(ra, qa, sp)
-    _assert_same_fp8(ref_a, res.a_quantized)
     used = sum(splits)
     assert same_bits(res.dprobs[:used], rdp[:used]) == 0 and bool((res.dprobs[used:] == 0).all())
     # the fused bias gradient is group_quantize_dbias's, bit for bit
@@ -311,7 +306,6 @@ def test_gpu_fused_kernels_capture_and_replay_new_routing_without_syncs():
     rows = 4096
     spec = Activation("swiglu")
     q = Float8BlockQuantizer(E4M3, block_dim=1)
-    qa = q.copy(rowwise=False)
     h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device="cuda")
     da = torch.empty(rows, f, dtype=torch.bfloat16, device="cuda")
     p = torch.empty(rows, device="cuda")
@@ -319,8 +313,8 @@ def test_gpu_fused_kernels_capture_and_replay_new_routing_without_syncs():
 
     def step():
         fw = kernels.forward(h, spec, p, sp, write_hp=False, quantizer=q)
-        bw = kernels.backward(da, h, spec, p, sp, dh_quantizer=q, dbias=True, a_quantizer=qa)
-        return fw.quantized, bw.dh_quantized, bw.dbias, bw.a_quantized, bw.dprobs
+        bw = kernels.backward(da, h, spec, p, sp, dh_quantizer=q, dbias=True)
+        return fw.quantized, bw.dh_quantized, bw.dbias, bw.dprobs
 
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -345,7 +339,7 @@ def test_gpu_fused_kernels_capture_and_replay_new_routing_without_syncs():
         p.copy_(torch.rand(rows, generator=gen))
         graph.replay()
         torch.cuda.synchronize()
-        rdh, ra, rdp = R.activation_backward(da.cpu(), h.cpu(), "swiglu", p.cpu())
+        rdh, _, rdp = R.activation_backward(da.cpu(), h.cpu(), "swiglu", p.cpu())
         qa_ref, _ = _ref_quantized(R.activation_forward(h.cpu(), "swiglu", p.cpu()), q, splits)
         for va, vb in zip(qa_ref.split(), outs[0].split()):
             for b in FP8_BUFS:
@@ -355,4 +349,4 @@ def test_gpu_fused_kernels_capture_and_replay_new_routing_without_syncs():
             for b in FP8_BUFS:
                 assert torch.equal(va[b].view(torch.uint8), vb[b].view(torch.uint8).cpu()), b
         used = int(splits.sum())
-        assert same_bits(outs[4][:used], rdp[:used]) == 0
+        assert same_bits(outs[3][:used], rdp[:used]) == 0

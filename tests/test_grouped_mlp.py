@@ -106,9 +106,9 @@ def test_matches_per_expert_torch_mlp_in_fp32():
 
 @pytest.mark.parametrize("recipe", [None, Float8BlockScaling()], ids=repr)
 def test_partial_gradients(recipe):
-    """Only what is asked for.  A frozen fc1 with an input without grad:
-    fc2's wgrad operand is recomputed by the forward kernel (same bits as the
-    backward kernel's).  Only probs trainable: d probs alone."""
+    """Only what is asked for: a frozen fc1 with an input without grad gives
+    fc2's gradients alone, bit-identical to a full step's; with only probs
+    trainable, d probs alone."""
     mlp = make_mlp("swiglu")
     splits = [64, 0, 64]
     x = torch.randn(128, H, dtype=torch.bfloat16)
@@ -259,11 +259,12 @@ def _saved_bytes(fn):
 
 @pytest.mark.parametrize("recipe", [None, Float8BlockScaling()], ids=repr)
 def test_saved_bytes_per_token(recipe):
-    """Per token row the fused MLP keeps: FP8 -> x's transposed FP8 copy
-    (H bytes + H/32 of fp32 scales), h once (2F bf16 values) and probs (4);
-    BF16 -> x (2H), h (4F) and probs.  Nothing of the activation output, no
-    rowwise FP8 copies.  (Measured as the difference between two token
-    counts, so the per-call weight copies and the capacity slack cancel.)"""
+    """Per token row the fused MLP keeps: FP8 -> the transposed FP8 copies of
+    x and a (1 byte per value + 1/32 byte of fp32 scale), h once (2F bf16
+    values) and probs (4 bytes); BF16 -> x, a and h in bf16, and probs.  No
+    rowwise FP8 copies and no activation intermediates; the same bytes as the
+    unfused composition.  Measured as the difference between two token
+    counts, so the per-call weight copies and the capacity slack cancel."""
     mlp = make_mlp("swiglu")
 
     def saved(tokens, fused=True):
@@ -278,11 +279,10 @@ def test_saved_bytes_per_token(recipe):
 
     per_token = (saved(512) - saved(256)) / 256
     if recipe is None:
-        assert per_token == 2 * H + 2 * (2 * FFN) + 4
+        assert per_token == 2 * H + 2 * FFN + 2 * (2 * FFN) + 4
     else:
-        assert per_token == H + H / 32 + 2 * (2 * FFN) + 4
-        unfused_per_token = (saved(512, False) - saved(256, False)) / 256
-        assert unfused_per_token - per_token == FFN + FFN / 32  # fc2's transposed input is recomputed
+        assert per_token == (H + H / 32) + (FFN + FFN / 32) + 2 * (2 * FFN) + 4
+    assert (saved(512, False) - saved(256, False)) / 256 == per_token
 
 
 # ------------------------------------------------------------------- GPU
@@ -371,9 +371,10 @@ def test_cuda_graphed_mlp_replays_new_routing_bitwise(recipe):
 @requires_cuda
 def test_cuda_saved_memory_per_token():
     """Device memory the forward leaves alive per token row (saved tensors +
-    the bf16 output), the CPU accounting above measured on the GPU.  With x a
-    caller-held leaf BF16 keeps no copy of it, so per token FP8 keeps x's
-    transposed FP8 copy (H + H/32 bytes) on top of BF16's h (4F)."""
+    the bf16 output), the CPU accounting above measured on the GPU.  x is a
+    caller-held leaf, so BF16's copy of it costs nothing here while FP8 keeps
+    its transposed FP8 copy (H + H/32 bytes); for a (made inside) FP8 keeps
+    F + F/32 bytes where BF16 keeps 2F."""
     h_, f_ = 1024, 512
     mlp = _cuda_mlp("swiglu", g=8, h=h_, f=f_)
     res = {}
@@ -391,5 +392,5 @@ def test_cuda_saved_memory_per_token():
             del y
         res[name] = (alive[1] - alive[0]) / 4096
     out_row, h_row = 2 * h_, 2 * 2 * f_
-    assert res["bf16"] == pytest.approx(out_row + h_row, rel=0.01)
-    assert res["fp8"] == pytest.approx(out_row + h_ + h_ / 32 + h_row, rel=0.01)
+    assert res["bf16"] == pytest.approx(out_row + h_row + 2 * f_, rel=0.01)
+    assert res["fp8"] == pytest.approx(out_row + h_row + (h_ + h_ / 32) + (f_ + f_ / 32), rel=0.01)

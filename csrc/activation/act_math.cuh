@@ -1,10 +1,13 @@
 // Element math of the expert-MLP activations, forward and backward.
 //
 // Every operation is an explicit IEEE round-to-nearest-even fp32 intrinsic
-// (__fmul_rn, __fadd_rn, __frcp_rn: never contracted into an FMA), and the
-// exponential is lpmoe's own (adds, multiplies, a power-of-two scale), so the
-// pure-PyTorch reference (python/lpmoe/reference/activation.py) computes the
-// same bits on the CPU.  docs/activation-notes.md writes the formulas out.
+// (__fmul_rn, __fadd_rn, __fmaf_rn: nothing is contracted behind our back),
+// the exponential is lpmoe's own (fused multiply-adds, power-of-two scales)
+// and the reciprocal is correctly rounded, so the pure-PyTorch reference
+// (python/lpmoe/reference/activation.py) computes the same bits on the CPU.
+// Nothing branches per element (selects only), so the compiler can
+// interleave the independent elements of a thread.  docs/activation-notes.md
+// writes the formulas out.
 #pragma once
 
 #include <cstdint>
@@ -20,32 +23,53 @@ __device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b);
 __device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
 
-// e^x = 2^n p(r): n = rint(x log2 e), r = (x - n LN2_HI) - n LN2_LO, p the
-// degree-7 Taylor polynomial (Horner, separate multiply and add), 2^n applied
-// as two exact power-of-two factors so only the last multiply rounds
-// (subnormal results included).  +inf when n > 128, 0 when n < -151, NaN
-// for NaN.
-__device__ __forceinline__ float exp_lp(float x) {
-  const float n = rintf(mul(x, f32(0x3FB8AA3Bu)));
-  const float r = sub(sub(x, mul(n, f32(0x3F317200u))), mul(n, f32(0x35BFBE8Eu)));
-  float p = f32(0x39500D01u);                 // 1/7!
-  p = add(mul(p, r), f32(0x3AB60B61u));       // 1/6!
-  p = add(mul(p, r), f32(0x3C088889u));       // 1/5!
-  p = add(mul(p, r), f32(0x3D2AAAABu));       // 1/4!
-  p = add(mul(p, r), f32(0x3E2AAAABu));       // 1/3!
-  p = add(mul(p, r), 0.5f);
-  p = add(mul(p, r), 1.0f);
-  p = add(mul(p, r), 1.0f);
-  const int nc = n != n ? 0 : static_cast<int>(fminf(fmaxf(n, -152.0f), 128.0f));
-  const int n1 = nc >> 1;  // floor(nc / 2)
-  const float e = mul(mul(p, __int_as_float((n1 + 127) << 23)), __int_as_float((nc - n1 + 127) << 23));
-  if (n > 128.0f) return __int_as_float(0x7F800000);
-  if (n < -151.0f) return 0.0f;
-  return e;
+__device__ __forceinline__ float fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+
+// min(max(x, lo), hi) that keeps NaN (fminf/fmaxf would drop it).
+__device__ __forceinline__ float clamp_nan(float x, float lo, float hi) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(x), "f"(lo));
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(y), "f"(hi));
+  return y;
 }
 
-// 1 / (1 + e^-x), the sum and the reciprocal each rounded once.
-__device__ __forceinline__ float sigmoid_lp(float x) { return __frcp_rn(add(1.0f, exp_lp(-x))); }
+// e^x, branch- and select-free: x clamped to [-104, 88.75] (NaN kept);
+// n = rint(x log2 e) (adding 1.5 * 2^23), r = fma(-n, LN2_LO, fma(-n, LN2_HI,
+// x)), p the degree-7 Taylor polynomial by Horner's rule in fused
+// multiply-adds, and 2^n applied as two exact power-of-two factors so only
+// the last multiply rounds.  The clamp bounds make the result overflow to
+// +inf above 88.72 and round to 0 below -103.97 on their own.
+__device__ __forceinline__ float exp_lp(float x) {
+  const float xc = clamp_nan(x, -104.0f, 88.75f);
+  const float j = add(mul(xc, f32(0x3FB8AA3Bu)), 12582912.0f);  // + 1.5 * 2^23: rint in the low bits
+  const int ni = __float_as_int(j) - 0x4B400000;
+  const float n = sub(j, 12582912.0f);
+  const float r = fma(-n, f32(0x35BFBE8Eu), fma(-n, f32(0x3F317200u), xc));
+  float p = f32(0x39500D01u);                 // 1/7!
+  p = fma(p, r, f32(0x3AB60B61u));            // 1/6!
+  p = fma(p, r, f32(0x3C088889u));            // 1/5!
+  p = fma(p, r, f32(0x3D2AAAABu));            // 1/4!
+  p = fma(p, r, f32(0x3E2AAAABu));            // 1/3!
+  p = fma(p, r, 0.5f);
+  p = fma(p, r, 1.0f);
+  p = fma(p, r, 1.0f);
+  const int n1 = ni >> 1;  // floor(n / 2); n in [-150, 128]
+  return mul(mul(p, __int_as_float((n1 + 127) << 23)), __int_as_float((ni - n1 + 127) << 23));
+}
+
+// 1 / y for y >= 1, correctly rounded, branch-free: the reciprocal
+// approximation refined by one FMA Newton step (the sequence CUDA's own
+// IEEE reciprocal uses for operands of these exponents); y >= 2^125 (where
+// 1/y would leave the normal range) gives 0.
+__device__ __forceinline__ float rcp_lp(float y) {
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(y));
+  const float r = fma(r0, -fma(y, r0, -1.0f), r0);
+  return y >= 4.2535295865117308e37f ? 0.0f : r;  // 2^125
+}
+
+// 1 / (1 + e^-x), branch-free (0 for x below about -86.6).
+__device__ __forceinline__ float sigmoid_lp(float x) { return rcp_lp(add(1.0f, exp_lp(-x))); }
 
 // gelu(x) (tanh form) = x * sigmoid(y), y = GELU_C (x + GELU_A x^3); returns
 // the value and sets s = sigmoid(y).

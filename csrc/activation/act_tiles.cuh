@@ -21,48 +21,60 @@ constexpr int kThreads = 256;
 constexpr int kTile = 128;
 
 struct TileRef {
-  int64_t j = 0;       // row tile (pad128 space)
+  int j = 0;           // row tile (pad128 space)
   int x = 0;           // F tile
   int cols_valid = 0;  // columns of F inside this tile
   grouped::TileInfo ti;
 };
 
-// Tile `idx` of the launch; false past the grid or in the capacity tail
-// (uniform across the CTA).
-__device__ __forceinline__ bool tile_at(const Common& c, int64_t idx, TileRef& t) {
-  const int fb = static_cast<int>(ceil_div<int64_t>(c.ffn, kTile));
-  if (idx >= c.max_row_tiles * fb) return false;
-  t.j = idx / fb;
-  t.x = static_cast<int>(idx % fb);
+// Tile `idx` of the launch (F tile fastest); false past the grid or in the
+// capacity tail (uniform across the CTA).  Launchers check that the tile
+// count fits in 32 bits.
+__device__ __forceinline__ bool tile_at(const Common& c, unsigned idx, unsigned total, unsigned fb, TileRef& t) {
+  if (idx >= total) return false;
+  t.j = static_cast<int>(idx / fb);
+  t.x = static_cast<int>(idx - static_cast<unsigned>(t.j) * fb);
   const int64_t left = c.ffn - static_cast<int64_t>(t.x) * kTile;
   t.cols_valid = static_cast<int>(left < kTile ? left : kTile);
   return grouped::locate_tile(c.group, c.rows, t.j, t.ti);
 }
 
-// Pipelined loop over this CTA's tiles (idx = blockIdx.x + k * gridDim.x).
-// stage(buf, t) issues the cp.async copies of tile t into buf (no commit);
-// process(buf, t) consumes it (all threads; may contain barriers).
-template <int kStages, typename StageFn, typename ProcessFn>
-__device__ __forceinline__ void for_each_tile(const Common& c, uint8_t* stages, int stage_bytes, StageFn stage,
-                                              ProcessFn process) {
-#pragma unroll
-  for (int s = 0; s < kStages; ++s) {
-    TileRef t;
-    if (tile_at(c, blockIdx.x + static_cast<int64_t>(s) * gridDim.x, t)) stage(stages + s * stage_bytes, t);
-    cp_async_commit();  // empty groups keep the per-thread group count uniform
+// Persistent loop over this CTA's tiles (idx = blockIdx.x + k * gridDim.x)
+// with one shared-memory stage: compute(buf, t) reads tile t from the stage
+// into registers, then stage(buf, next) issues the copies of the CTA's next
+// tile into the same stage, and finish(buf, t) quantizes / stores from
+// registers while they land; stage_late(buf, next) issues copies that must
+// wait until finish has used the stage again (finish may keep data in the
+// parts of the stage that only stage_late refills).  Each thread copies, reads
+// and writes only its own part of a stage, so only the tile quantizer's
+// shared scratch needs the barrier between tiles.
+template <typename StageFn, typename LateFn, typename ComputeFn, typename FinishFn>
+__device__ __forceinline__ void for_each_tile(const Common& c, uint8_t* buf, StageFn stage, LateFn stage_late,
+                                              ComputeFn compute, FinishFn finish) {
+  const unsigned fb = static_cast<unsigned>(ceil_div<int64_t>(c.ffn, kTile));
+  const unsigned total = static_cast<unsigned>(c.max_row_tiles) * fb;
+  TileRef t;
+  bool have = tile_at(c, blockIdx.x, total, fb, t);
+  if (have) {
+    stage(buf, t);
+    stage_late(buf, t);
   }
-  for (int64_t k = 0;; ++k) {
-    const int64_t idx = blockIdx.x + k * gridDim.x;
-    TileRef t;
-    const int fb = static_cast<int>(ceil_div<int64_t>(c.ffn, kTile));
-    if (idx >= c.max_row_tiles * fb) break;
-    uint8_t* buf = stages + static_cast<int>(k % kStages) * stage_bytes;
-    cp_async_wait_pending<kStages - 1>();  // this thread's copies of tile k have landed
-    if (tile_at(c, idx, t)) process(buf, t);
-    __syncthreads();  // shared scratch of the tile quantizer is reused by the next tile
+  cp_async_commit();
+  for (unsigned idx = blockIdx.x; idx < total; idx += gridDim.x) {
+    cp_async_wait_all();
+    if (have) compute(buf, t);
     TileRef n;
-    if (tile_at(c, idx + static_cast<int64_t>(kStages) * gridDim.x, n)) stage(buf, n);
+    const bool next = tile_at(c, idx + gridDim.x, total, fb, n);
+    asm volatile("" ::: "memory");  // the stage reads above stay before the copies that overwrite it
+    if (next) stage(buf, n);
     cp_async_commit();
+    if (have) finish(buf, t);
+    asm volatile("" ::: "memory");
+    if (next) stage_late(buf, n);
+    cp_async_commit();
+    __syncthreads();  // the tile quantizer's scratch is reused by the next tile
+    t = n;
+    have = next;
   }
   cp_async_wait_all();
 }

@@ -3,7 +3,7 @@
 // read (FP8 block 1x128 GroupedTensor buffers, or high precision).
 //
 //   forward   h (rows, W) -> a (rows, F)             a = act(h) [* probs]
-//   backward  da (rows, F), h -> dh (rows, W)        (+ a recomputed, d probs)
+//   backward  da (rows, F), h -> dh (rows, W)        (+ d probs)
 //
 // W = 2F for GLU kinds (h = [gate | value], gate first) and W = F otherwise.
 // FP8 outputs use fp8_block::QuantizeArgs (its `input` unused): each output
@@ -61,8 +61,6 @@ struct BackwardArgs {
   const void* h = nullptr;         // (rows, W)
   void* dh = nullptr;              // (rows, W) high precision, or null
   fp8_block::QuantizeArgs dh_fp8;  // FP8 block 1x128 dh (cols = W), optional per-tile column sums
-  void* a = nullptr;               // (rows, F) recomputed forward output, or null
-  fp8_block::QuantizeArgs a_fp8;   // FP8 block 1x128 recomputed a (cols = F)
   float* probs_partials = nullptr; // (rows, ceil(F/128)) per-block sums of da * u, or null
 };
 

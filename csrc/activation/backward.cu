@@ -2,12 +2,10 @@
 //   dh (rows, W) rounded to the input dtype, as high precision and/or as the
 //      FP8 block 1x128 grouped operand of fc1's dgrad and wgrad (rowwise +
 //      transposed), with optional per-tile column sums for fc1's bias grad;
-//   a (rows, F), the forward output recomputed for fc2's weight gradient
-//      (high precision and/or FP8, usually transposed only), so the forward
-//      need not keep it;
 //   per-(row, 128-column block) partial sums of da * u for d probs.
 // One pass: da, gate and value tiles stream through shared memory
-// (act_tiles.cuh); each thread computes its 8x8 blocks in registers.
+// (act_tiles.cuh); each thread computes its 8x8 blocks in registers and
+// quantizes them while the next tile's copies land.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -23,17 +21,6 @@ namespace {
 template <Kind K>
 constexpr int backward_inputs() { return is_glu(K) ? 3 : 2; }  // da, gate[, value]
 
-template <Kind K>
-constexpr int backward_stages() { return is_glu(K) ? 2 : 3; }   // ~192 KB in flight
-
-template <typename IType>
-__device__ __forceinline__ void stage_row(const uint8_t* stage, int r, RawVec8<IType>& v) {
-  const int c = threadIdx.x & 15, g = threadIdx.x >> 4;
-  const uint8_t* src = stage + ((g * kStageRowsPerThread + r) * kTile + c * 8) * sizeof(IType);
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) v.w[i] = reinterpret_cast<const uint4*>(src)[i];
-}
-
 // Sum over the 16 lanes of a half-warp: halving tree (xor 8, 4, 2, 1).
 __device__ __forceinline__ float half_warp_sum(float s) {
 #pragma unroll
@@ -41,9 +28,14 @@ __device__ __forceinline__ float half_warp_sum(float s) {
   return s;
 }
 
+// 2 CTAs per SM (16 warps): a 96 KB stage (da, gate, value) + 17 KB of
+// quantizer scratch each, at most 128 registers.  Only one dh half is held in
+// registers at a time: compute() parks the value half in this thread's own
+// slots of the value stage (just read, refilled only by stage_late after
+// finish), so nothing spills.
 template <typename IType, Kind K, bool kFp8>
-__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const BackwardArgs args) {
-  extern __shared__ __align__(128) uint8_t stages[];
+__global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArgs args) {
+  extern __shared__ __align__(128) uint8_t stage_buf[];
   __shared__ fp8_block::Smem sm;
   constexpr bool kGlu = is_glu(K);
   constexpr int kTileBytes = stage_tile_bytes<IType>();
@@ -52,25 +44,32 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const BackwardArg
   const int fb = static_cast<int>(ceil_div<int64_t>(c.ffn, kTile));
   const IType* h = static_cast<const IType*>(args.h);
   const IType* da = static_cast<const IType*>(args.da);
+  const bool fp8_dh = kFp8 && (args.dh_fp8.out_data != nullptr || args.dh_fp8.out_col_data != nullptr ||
+                               args.dh_fp8.dbias_workspace != nullptr);
+  RawVec8<IType> dg[kStageRowsPerThread];
 
   auto stage = [&](uint8_t* buf, const TileRef& t) {
     const int64_t col0 = static_cast<int64_t>(t.x) * kTile;
     stage_tile_async<IType>(buf, da + t.ti.row0 * c.ffn + col0, c.ffn, t.ti.rows_valid, t.cols_valid);
-    const IType* gate = h + t.ti.row0 * ld + col0;
-    stage_tile_async<IType>(buf + kTileBytes, gate, ld, t.ti.rows_valid, t.cols_valid);
-    if constexpr (kGlu) stage_tile_async<IType>(buf + 2 * kTileBytes, gate + c.ffn, ld, t.ti.rows_valid, t.cols_valid);
+    stage_tile_async<IType>(buf + kTileBytes, h + t.ti.row0 * ld + col0, ld, t.ti.rows_valid, t.cols_valid);
   };
-  auto process = [&](uint8_t* buf, const TileRef& t) {
+  auto stage_late = [&](uint8_t* buf, const TileRef& t) {
+    if constexpr (kGlu) {
+      const int64_t col0 = static_cast<int64_t>(t.x) * kTile;
+      stage_tile_async<IType>(buf + 2 * kTileBytes, h + t.ti.row0 * ld + c.ffn + col0, ld, t.ti.rows_valid,
+                              t.cols_valid);
+    }
+  };
+  auto compute = [&](uint8_t* buf, const TileRef& t) {
     float p[kStageRowsPerThread];
     load_row_probs(c, t, p);
-    RawVec8<IType> dg[kStageRowsPerThread], dv[kStageRowsPerThread], out[kStageRowsPerThread];
     const int lane_c = threadIdx.x & 15, g = threadIdx.x >> 4;
 #pragma unroll
     for (int r = 0; r < kStageRowsPerThread; ++r) {
-      RawVec8<IType> d, x, y;
-      stage_row<IType>(buf, r, d);
-      stage_row<IType>(buf + kTileBytes, r, x);
-      if constexpr (kGlu) stage_row<IType>(buf + 2 * kTileBytes, r, y);
+      RawVec8<IType> d, x, y, dvr;
+      read_stage_row<IType>(buf, r, d);
+      read_stage_row<IType>(buf + kTileBytes, r, x);
+      if constexpr (kGlu) read_stage_row<IType>(buf + 2 * kTileBytes, r, y);
       float psum = 0.0f;
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -79,43 +78,42 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const BackwardArg
         float gd, vd, u;
         math::backward<K>(elem<IType>(x, e), kGlu ? elem<IType>(y, e) : 0.0f, q, c.params, gd, vd, u);
         set_elem<IType>(dg[r], e, gd);
-        if constexpr (kGlu) set_elem<IType>(dv[r], e, vd);
-        set_elem<IType>(out[r], e, c.probs != nullptr ? math::mul(u, p[r]) : u);
+        if constexpr (kGlu) set_elem<IType>(dvr, e, vd);
         psum = math::add(psum, math::mul(dA, u));
       }
+      if constexpr (kGlu) write_stage_row<IType>(buf + 2 * kTileBytes, r, dvr);
       if (args.probs_partials != nullptr) {  // uniform: every lane shuffles
         psum = half_warp_sum(psum);
         const int row = g * kStageRowsPerThread + r;
         if (lane_c == 0 && row < t.ti.rows_valid) args.probs_partials[(t.ti.row0 + row) * fb + t.x] = psum;
       }
     }
+  };
+  auto finish = [&](const uint8_t* buf, const TileRef& t) {
     const int64_t col0 = static_cast<int64_t>(t.x) * kTile;
-    if (args.dh != nullptr) {
-      store_tile<IType>(static_cast<IType*>(args.dh), ld, col0, t, dg);
-      if constexpr (kGlu) store_tile<IType>(static_cast<IType*>(args.dh), ld, c.ffn + col0, t, dv);
-    }
-    if (args.a != nullptr) store_tile<IType>(static_cast<IType*>(args.a), c.ffn, col0, t, out);
+    if (args.dh != nullptr) store_tile<IType>(static_cast<IType*>(args.dh), ld, col0, t, dg);
     if constexpr (kFp8) {
-      if (args.dh_fp8.out_data != nullptr || args.dh_fp8.out_col_data != nullptr) {
-        fp8_block::process_tile<IType, false, 1>(args.dh_fp8, t.ti, t.j, t.x, dg, sm);
-        if constexpr (kGlu) {
+      if (fp8_dh) fp8_block::process_tile<IType, false, 1>(args.dh_fp8, t.ti, t.j, t.x, dg, sm);
+    }
+    if constexpr (kGlu) {
+      RawVec8<IType> dv[kStageRowsPerThread];
+      read_stage_tile<IType>(buf + 2 * kTileBytes, dv);
+      if (args.dh != nullptr) store_tile<IType>(static_cast<IType*>(args.dh), ld, c.ffn + col0, t, dv);
+      if constexpr (kFp8) {
+        if (fp8_dh) {
           __syncthreads();
           fp8_block::process_tile<IType, false, 1>(args.dh_fp8, t.ti, t.j, t.x + fb, dv, sm);
         }
       }
-      if (args.a_fp8.out_data != nullptr || args.a_fp8.out_col_data != nullptr) {
-        __syncthreads();
-        fp8_block::process_tile<IType, false, 1>(args.a_fp8, t.ti, t.j, t.x, out, sm);
-      }
     }
   };
-  for_each_tile<backward_stages<K>()>(c, stages, backward_inputs<K>() * kTileBytes, stage, process);
+  for_each_tile(c, stage_buf, stage, stage_late, compute, finish);
 }
 
 template <typename IType, Kind K, bool kFp8>
 cudaError_t launch_typed(const BackwardArgs& a, cudaStream_t stream) {
   auto kernel = backward_kernel<IType, K, kFp8>;
-  const int smem = backward_stages<K>() * backward_inputs<K>() * stage_tile_bytes<IType>();
+  const int smem = backward_inputs<K>() * stage_tile_bytes<IType>();
   dim3 grid;
   LPMOE_RETURN_IF_ERROR(persistent_grid(kernel, kThreads, smem, a.c.max_row_tiles * ceil_div<int64_t>(a.c.ffn, kTile), grid));
   kernel<<<grid, kThreads, smem, stream>>>(a);
@@ -159,12 +157,13 @@ cudaError_t launch_backward(const BackwardArgs& a, cudaStream_t stream) {
   const Common& c = a.c;
   const bool glu = is_glu(c.kind);
   const int64_t w = glu ? 2 * c.ffn : c.ffn;
-  const bool fp8 = has_fp8(a.dh_fp8) || has_fp8(a.a_fp8);
+  const bool fp8 = has_fp8(a.dh_fp8) || a.dh_fp8.dbias_workspace != nullptr;
   if (c.rows < 0 || c.ffn < 0 || c.ffn % 16 != 0) return cudaErrorInvalidValue;
-  if (!fp8_ok(a.dh_fp8, w) || !fp8_ok(a.a_fp8, c.ffn)) return cudaErrorInvalidValue;
+  if (!fp8_ok(a.dh_fp8, w)) return cudaErrorInvalidValue;
   if (fp8 && c.dtype != DType::kBFloat16) return cudaErrorInvalidValue;
   if (glu && has_fp8(a.dh_fp8) && c.ffn % kTile != 0) return cudaErrorInvalidValue;  // see activation.h
   if (c.rows == 0 || c.ffn == 0 || c.max_row_tiles == 0) return cudaSuccess;
+  if (c.max_row_tiles * ceil_div<int64_t>(c.ffn, kTile) > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (fp8) return launch_kind<__nv_bfloat16, true>(a, stream);
   switch (c.dtype) {
     case DType::kBFloat16: return launch_kind<__nv_bfloat16, false>(a, stream);

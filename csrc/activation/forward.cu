@@ -4,7 +4,7 @@
 //
 // One pass over h: the gate (and value) tiles stream through shared memory
 // (act_tiles.cuh); each thread computes its 8x8 block of a in registers and
-// hands it to the tile quantizer.
+// hands it to the tile quantizer while the next tile's copies land.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -20,58 +20,51 @@ namespace {
 template <Kind K>
 constexpr int forward_inputs() { return is_glu(K) ? 2 : 1; }
 
-// Stages so the inputs of three tiles (two for GLU) are in flight: ~192 KB.
-template <Kind K>
-constexpr int forward_stages() { return is_glu(K) ? 3 : 6; }
-
+// 2 CTAs per SM (16 warps): one 32-64 KB stage each, at most 128 registers.
 template <typename IType, Kind K, bool kFp8>
-__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const ForwardArgs args) {
-  extern __shared__ __align__(128) uint8_t stages[];
+__global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs args) {
+  extern __shared__ __align__(128) uint8_t stage_buf[];
   __shared__ fp8_block::Smem sm;
   constexpr int kIn = forward_inputs<K>();
   constexpr int kTileBytes = stage_tile_bytes<IType>();
   const Common& c = args.c;
   const int64_t ld = is_glu(K) ? 2 * c.ffn : c.ffn;
   const IType* h = static_cast<const IType*>(args.h);
+  RawVec8<IType> out[kStageRowsPerThread];
 
   auto stage = [&](uint8_t* buf, const TileRef& t) {
     const IType* gate = h + t.ti.row0 * ld + static_cast<int64_t>(t.x) * kTile;
     stage_tile_async<IType>(buf, gate, ld, t.ti.rows_valid, t.cols_valid);
     if constexpr (kIn == 2) stage_tile_async<IType>(buf + kTileBytes, gate + c.ffn, ld, t.ti.rows_valid, t.cols_valid);
   };
-  auto process = [&](uint8_t* buf, const TileRef& t) {
+  auto compute = [&](const uint8_t* buf, const TileRef& t) {
     float p[kStageRowsPerThread];
     load_row_probs(c, t, p);
-    RawVec8<IType> gate[kStageRowsPerThread], out[kStageRowsPerThread];
-    read_stage_tile<IType>(buf, gate);
 #pragma unroll
     for (int r = 0; r < kStageRowsPerThread; ++r) {
-      RawVec8<IType> value[1];
-      if constexpr (kIn == 2) {
-        // one row of the value tile at a time keeps the registers low
-        const int cc = threadIdx.x & 15, g = threadIdx.x >> 4;
-        const uint8_t* src = buf + kTileBytes + ((g * kStageRowsPerThread + r) * kTile + cc * 8) * sizeof(IType);
-#pragma unroll
-        for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) value[0].w[i] = reinterpret_cast<const uint4*>(src)[i];
-      }
+      RawVec8<IType> gate, value;
+      read_stage_row<IType>(buf, r, gate);
+      if constexpr (kIn == 2) read_stage_row<IType>(buf + kTileBytes, r, value);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const float v = kIn == 2 ? elem<IType>(value[0], e) : 0.0f;
-        float u = math::forward<K>(elem<IType>(gate[r], e), v, c.params);
+        const float v = kIn == 2 ? elem<IType>(value, e) : 0.0f;
+        float u = math::forward<K>(elem<IType>(gate, e), v, c.params);
         if (c.probs != nullptr) u = math::mul(u, p[r]);
         set_elem<IType>(out[r], e, u);
       }
     }
+  };
+  auto finish = [&](const uint8_t*, const TileRef& t) {
     if (args.out != nullptr) store_tile<IType>(static_cast<IType*>(args.out), c.ffn, static_cast<int64_t>(t.x) * kTile, t, out);
     if constexpr (kFp8) fp8_block::process_tile<IType, false, 1>(args.fp8, t.ti, t.j, t.x, out, sm);
   };
-  for_each_tile<forward_stages<K>()>(c, stages, kIn * kTileBytes, stage, process);
+  for_each_tile(c, stage_buf, stage, [](uint8_t*, const TileRef&) {}, compute, finish);
 }
 
 template <typename IType, Kind K, bool kFp8>
 cudaError_t launch_typed(const ForwardArgs& a, cudaStream_t stream) {
   auto kernel = forward_kernel<IType, K, kFp8>;
-  const int smem = forward_stages<K>() * forward_inputs<K>() * stage_tile_bytes<IType>();
+  const int smem = forward_inputs<K>() * stage_tile_bytes<IType>();
   dim3 grid;
   LPMOE_RETURN_IF_ERROR(persistent_grid(kernel, kThreads, smem, a.c.max_row_tiles * ceil_div<int64_t>(a.c.ffn, kTile), grid));
   kernel<<<grid, kThreads, smem, stream>>>(a);
@@ -98,6 +91,7 @@ cudaError_t launch_forward(const ForwardArgs& a, cudaStream_t stream) {
   if (fp8 && (a.fp8.e5m2 || a.fp8.block_dim != 1 || a.fp8.cols != a.c.ffn || a.c.dtype != DType::kBFloat16))
     return cudaErrorInvalidValue;
   if (a.c.rows == 0 || a.c.ffn == 0 || a.c.max_row_tiles == 0 || (!fp8 && a.out == nullptr)) return cudaSuccess;
+  if (a.c.max_row_tiles * ceil_div<int64_t>(a.c.ffn, kTile) > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (fp8) return launch_kind<__nv_bfloat16, true>(a, stream);
   switch (a.c.dtype) {
     case DType::kBFloat16: return launch_kind<__nv_bfloat16, false>(a, stream);

@@ -104,8 +104,7 @@ void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind
                          int64_t max_row_tiles, const c10::optional<at::Tensor>& dh,
                          const c10::optional<at::Tensor>& dh_data, const c10::optional<at::Tensor>& dh_scale,
                          const c10::optional<at::Tensor>& dh_col_data, const c10::optional<at::Tensor>& dh_col_scale,
-                         const c10::optional<at::Tensor>& dbias_workspace, const c10::optional<at::Tensor>& a_out,
-                         const c10::optional<at::Tensor>& a_col_data, const c10::optional<at::Tensor>& a_col_scale,
+                         const c10::optional<at::Tensor>& dbias_workspace,
                          const c10::optional<at::Tensor>& probs_partials, bool pow2_scales, double amax_epsilon) {
   activation::BackwardArgs a;
   a.c = common_args(h, kind, alpha, limit, ffn, probs, padded_row_offsets, num_tensors, max_row_tiles);
@@ -121,9 +120,6 @@ void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind
     check_buffer(*dbias_workspace, h, "dbias workspace", 4, max_row_tiles * w);
     a.dh_fp8.dbias_workspace = dbias_workspace->data_ptr<float>();
   }
-  a.a = hp_output(a_out, h, ffn, "a");
-  a.a_fp8 = fp8_output(h, ffn, c10::nullopt, c10::nullopt, a_col_data, a_col_scale, pow2_scales, amax_epsilon,
-                       "a (FP8)");
   if (probs_partials.has_value()) {
     check_buffer(*probs_partials, h, "probs partials", 4, h.size(0) * ((ffn + 127) / 128));
     a.probs_partials = probs_partials->data_ptr<float>();

@@ -70,8 +70,7 @@ void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind
                          int64_t max_row_tiles, const c10::optional<at::Tensor>& dh,
                          const c10::optional<at::Tensor>& dh_data, const c10::optional<at::Tensor>& dh_scale,
                          const c10::optional<at::Tensor>& dh_col_data, const c10::optional<at::Tensor>& dh_col_scale,
-                         const c10::optional<at::Tensor>& dbias_workspace, const c10::optional<at::Tensor>& a_out,
-                         const c10::optional<at::Tensor>& a_col_data, const c10::optional<at::Tensor>& a_col_scale,
+                         const c10::optional<at::Tensor>& dbias_workspace,
                          const c10::optional<at::Tensor>& probs_partials, bool pow2_scales, double amax_epsilon);
 void activation_probs_grad(const at::Tensor& partials, int64_t rows, int64_t blocks,
                            const c10::optional<at::Tensor>& used_rows, const at::Tensor& out);

@@ -58,4 +58,24 @@ __device__ __forceinline__ void read_stage_tile(const uint8_t* stage, RawVec8<IT
   }
 }
 
+// One of this thread's 8 rows of a stage.
+template <typename IType>
+__device__ __forceinline__ void read_stage_row(const uint8_t* stage, int r, RawVec8<IType>& v) {
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const uint8_t* p = stage + ((g * kStageRowsPerThread + r) * kStageTile + c * 8) * sizeof(IType);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) v.w[i] = *reinterpret_cast<const uint4*>(p + 16 * i);
+}
+
+// Write one of this thread's 8 rows of a stage (its own slots).
+template <typename IType>
+__device__ __forceinline__ void write_stage_row(uint8_t* stage, int r, const RawVec8<IType>& v) {
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  uint8_t* p = stage + ((g * kStageRowsPerThread + r) * kStageTile + c * 8) * sizeof(IType);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) *reinterpret_cast<uint4*>(p + 16 * i) = v.w[i];
+}
+
 }  // namespace lpmoe

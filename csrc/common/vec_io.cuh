@@ -5,6 +5,9 @@
 
 #include <cstdint>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "common/numerics.cuh"
 
 namespace lpmoe {
@@ -51,17 +54,75 @@ __device__ __forceinline__ void store_vec(OType* p, const float (&v)[kN]) {
   }
 }
 
+// 32-bit word k (elements 2k, 2k+1) of an 8-element 16-bit vector.
+template <typename IType>
+__device__ __forceinline__ uint32_t word(const RawVec8<IType>& v, int k) {
+  return reinterpret_cast<const uint32_t*>(&v)[k];
+}
+
+// max(acc, |w|) per 16-bit half of a pair of bf16 / fp16 values, NaN-ignoring
+// like fmaxf (a NaN element leaves acc unchanged): one HMNMX2 per 2 values.
+template <typename IType>
+__device__ __forceinline__ uint32_t abs_max2(uint32_t acc, uint32_t w);
+template <>
+__device__ __forceinline__ uint32_t abs_max2<__nv_bfloat16>(uint32_t acc, uint32_t w) {
+  const __nv_bfloat162 r = __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&acc),
+                                   __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <>
+__device__ __forceinline__ uint32_t abs_max2<__half>(uint32_t acc, uint32_t w) {
+  const __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&acc), __habs2(*reinterpret_cast<const __half2*>(&w)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+template <typename IType>
+__device__ __forceinline__ float pair_max(uint32_t w) {
+  const IType* h = reinterpret_cast<const IType*>(&w);
+  return fmaxf(to_float<IType>(h[0]), to_float<IType>(h[1]));
+}
+
+// max |x| over the 8 elements of v, NaN ignored (0 when all are NaN).
+template <typename IType>
+__device__ __forceinline__ float vec8_amax(const RawVec8<IType>& v) {
+  if constexpr (sizeof(IType) == 2) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m = abs_max2<IType>(m, word(v, k));
+    return pair_max<IType>(m);
+  } else {
+    float a = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a = amax_step(a, elem<IType>(v, e));
+    return a;
+  }
+}
+
 // Column amax of a thread's 8-row x 8-column register block (thread c, g of a
 // 128x128 tile, rows 8g..8g+7): max |x| over its 8 rows (NaN ignored),
 // combined with lane ^ 16, the warp's other row group -> a 16-row partial.
+// 16-bit inputs are reduced as packed pairs.
 template <typename IType>
 __device__ __forceinline__ void column_amax16(const RawVec8<IType> (&raw)[8], float (&a)[8]) {
+  if constexpr (sizeof(IType) == 2) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    float m = 0.0f;
+    for (int k = 0; k < 4; ++k) {
+      uint32_t m = 0;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) m = amax_step(m, elem<IType>(raw[r], e));
-    a[e] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      for (int r = 0; r < 8; ++r) m = abs_max2<IType>(m, word(raw[r], k));
+      m = abs_max2<IType>(m, __shfl_xor_sync(0xffffffffu, m, 16));  // |m| = m
+      const IType* h = reinterpret_cast<const IType*>(&m);
+      a[2 * k] = to_float<IType>(h[0]);
+      a[2 * k + 1] = to_float<IType>(h[1]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float m = 0.0f;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) m = amax_step(m, elem<IType>(raw[r], e));
+      a[e] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+    }
   }
 }
 

@@ -66,11 +66,13 @@ __device__ __forceinline__ bool locate_tile(const GroupRows& g, int64_t rows, in
 }
 
 // Byte offset of 8-byte chunk `chunk` (0..15) of row `row` of a 128x128-byte
-// shared transpose tile.  The chunk index is XORed with the row's group of 8,
-// so 16 threads writing the same chunk of 16 different row groups hit 16
-// distinct bank pairs.
+// shared transpose tile.  The chunk index is XORed with the row's group of 8
+// and with the row's parity: 16 threads writing the same chunk of 16 rows
+// 8 apart hit 16 distinct bank pairs, and 8 threads reading 8 alternate
+// chunks of each of 4 consecutive rows split the banks between even and odd
+// rows (2 wavefronts for 256 bytes, the minimum).
 __device__ __forceinline__ int tile_chunk_offset(int row, int chunk) {
-  return row * kTile + (((chunk ^ (row >> 3)) & 15) << 3);
+  return row * kTile + (((chunk ^ (row >> 3) ^ (row & 1)) & 15) << 3);
 }
 
 }  // namespace grouped

@@ -58,8 +58,6 @@ class BackwardResult:
     dh: Optional[torch.Tensor] = None           # high precision (rows, W)
     dh_quantized: Optional[GroupedTensor] = None
     dbias: Optional[torch.Tensor] = None        # (G, W) per-member column sums of dh
-    a: Optional[torch.Tensor] = None            # recomputed forward output, high precision
-    a_quantized: Optional[GroupedTensor] = None
     dprobs: Optional[torch.Tensor] = None       # (rows,) in probs' dtype
 
 
@@ -136,87 +134,68 @@ def _hp_forward(h, spec: Activation, probs, f: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------- backward
 def backward(da: torch.Tensor, h: torch.Tensor, spec: Activation, probs: Optional[torch.Tensor],
-             splits: Optional[torch.Tensor], *, dh_hp: bool = False, dh_quantizer: Optional[Float8BlockQuantizer] = None,
-             dbias: bool = False, a_hp: bool = False, a_quantizer: Optional[Float8BlockQuantizer] = None,
+             splits: Optional[torch.Tensor], *, dh_hp: bool = False,
+             dh_quantizer: Optional[Float8BlockQuantizer] = None, dbias: bool = False,
              dprobs: bool = True) -> BackwardResult:
-    """dh (high precision and/or quantized, with the per-member bias gradient
-    of fc1 when ``dbias``), the recomputed forward output (high precision
-    and/or quantized) and d probs (when ``probs`` and ``dprobs``), from one
-    read of da and h."""
+    """dh as high precision (``dh_hp``) and/or quantized with ``dh_quantizer``
+    (an FP8 block GroupedTensor grouped by the device ``splits``), with the
+    per-member bias gradient of fc1 when ``dbias``, and d probs (when
+    ``probs`` and ``dprobs``), from one read of da and h."""
     rows, f = h.shape[0], _ffn(h, spec)
     da = da.contiguous()
     grad_probs = probs if dprobs else None  # probs still scale; only the reduction is skipped
     if not _on_kernels(h):
         CALLS["reference_backward"] += 1
-        dh, a, dp = ref.activation_backward(da, h, spec.kind, probs, spec.alpha, spec.limit)
-        dp = dp if dprobs else None
-        return _finish_unfused(dh, a, dp, probs, splits, dh_hp, dh_quantizer, dbias, a_hp, a_quantizer)
-    fused_dh = dh_quantizer is None or (_fused_fp8(dh_quantizer) and (not spec.is_glu or f % _TILE == 0))
-    fused_a = _fused_fp8(a_quantizer)
-    if h.dtype != torch.bfloat16 or not (fused_dh and fused_a):
-        if dh_quantizer is None and a_quantizer is None:
-            CALLS["fused_backward"] += 1
-        else:
-            CALLS["split_backward"] += 1
-        need_dh = dh_hp or dh_quantizer is not None
-        need_a = a_hp or a_quantizer is not None
-        dh, a, dp = _hp_backward(da, h, spec, probs, f, need_dh, need_a, grad_probs is not None)
-        return _finish_unfused(dh, a, dp, probs, splits, dh_hp, dh_quantizer, dbias, a_hp, a_quantizer)
-    if dh_quantizer is None and a_quantizer is None:
-        CALLS["fused_backward"] += 1
-        dh, a, dp = _hp_backward(da, h, spec, probs, f, dh_hp, a_hp, grad_probs is not None)
-        res = BackwardResult(dh=dh, a=a, dprobs=_cast(dp, probs))
-        if dbias:
-            res.dbias = _member_column_sums(dh, splits)
-        return res
+        dh, _, dp = ref.activation_backward(da, h, spec.kind, probs, spec.alpha, spec.limit)
+        return _finish_unfused(dh, dp if dprobs else None, probs, splits, dh_hp, dh_quantizer, dbias)
+    fused_fp8 = _fused_fp8(dh_quantizer) and h.dtype == torch.bfloat16 and (not spec.is_glu or f % _TILE == 0)
+    if dh_quantizer is None or not fused_fp8:
+        CALLS["fused_backward" if dh_quantizer is None else "split_backward"] += 1
+        dh, dp = _hp_backward(da, h, spec, probs, f, grad_probs is not None)
+        if dh_quantizer is None and not dbias:
+            return BackwardResult(dh=dh if dh_hp else None, dprobs=_cast(dp, probs))
+        return _finish_unfused(dh, dp, probs, splits, dh_hp, dh_quantizer, dbias)
     CALLS["fused_backward"] += 1
     w = h.shape[1]
-    ref_q = dh_quantizer if dh_quantizer is not None else a_quantizer
-    qdh = None if dh_quantizer is None else _empty_fp8(dh_quantizer, splits, rows, w, h.dtype)
-    qa = None if a_quantizer is None else _empty_fp8(a_quantizer, splits, rows, f, h.dtype)
-    meta = qdh if qdh is not None else qa
-    tiles = max_row_tiles(meta)
+    qdh = _empty_fp8(dh_quantizer, splits, rows, w, h.dtype)
+    tiles = max_row_tiles(qdh)
     dev = h.device
     dh_out = torch.empty((rows, w), dtype=h.dtype, device=dev) if dh_hp else None
-    a_out = torch.empty((rows, f), dtype=h.dtype, device=dev) if a_hp else None
     ws = torch.empty((max(tiles, 1), w), dtype=torch.float32, device=dev) if dbias else None
     nb = -(-f // _TILE)
     partials = torch.empty((rows, nb), dtype=torch.float32, device=dev) if grad_probs is not None else None
-    pow2, eps = _quant_args(ref_q)
-    a_bufs = _fp8_bufs(qa)
+    pow2, eps = _quant_args(dh_quantizer)
     ext().activation_backward(da, h, spec.kernel_kind, spec.alpha, spec.limit, f, _probs32(probs),
-                              meta.padded_row_offsets, meta.num_tensors, tiles, dh_out, *_fp8_bufs(qdh), ws, a_out,
-                              a_bufs[2], a_bufs[3], partials, pow2, eps)
-    res = BackwardResult(dh=dh_out, dh_quantized=qdh, a=a_out, a_quantized=qa)
+                              qdh.padded_row_offsets, qdh.num_tensors, tiles, dh_out, *_fp8_bufs(qdh), ws, partials,
+                              pow2, eps)
+    res = BackwardResult(dh=dh_out, dh_quantized=qdh)
     if dbias:
-        res.dbias = torch.empty((meta.num_tensors, w), dtype=h.dtype, device=dev)
+        res.dbias = torch.empty((qdh.num_tensors, w), dtype=h.dtype, device=dev)
         if rows == 0 or w == 0:
             res.dbias.zero_()
         else:
-            ext().fp8_block_dbias_reduce(ws, meta.padded_row_offsets, meta.num_tensors, rows, res.dbias, None)
+            ext().fp8_block_dbias_reduce(ws, qdh.padded_row_offsets, qdh.num_tensors, rows, res.dbias, None)
     if grad_probs is not None:
         dp = torch.empty(rows, dtype=torch.float32, device=dev)
-        used = meta.padded_row_offsets[0, meta.num_tensors:]
-        ext().activation_probs_grad(partials, rows, nb, used, dp)
+        ext().activation_probs_grad(partials, rows, nb, qdh.padded_row_offsets[0, qdh.num_tensors:], dp)
         res.dprobs = _cast(dp, probs)
     return res
 
 
-def _hp_backward(da, h, spec: Activation, probs, f: int, want_dh: bool, want_a: bool, want_dprobs: bool):
-    """High-precision dh / a / d probs over every row (single-member launch)."""
+def _hp_backward(da, h, spec: Activation, probs, f: int, want_dprobs: bool):
+    """High-precision dh and d probs over every row (single-member launch)."""
     rows, w = h.shape
     dev = h.device
-    dh = torch.empty((rows, w), dtype=h.dtype, device=dev) if want_dh else None
-    a = torch.empty((rows, f), dtype=h.dtype, device=dev) if want_a else None
+    dh = torch.empty((rows, w), dtype=h.dtype, device=dev)
     nb = -(-f // _TILE)
     partials = torch.empty((rows, nb), dtype=torch.float32, device=dev) if want_dprobs else None
     ext().activation_backward(da, h, spec.kernel_kind, spec.alpha, spec.limit, f, _probs32(probs), None, 1,
-                              -(-rows // _TILE), dh, None, None, None, None, None, a, None, None, partials, True, 0.0)
+                              -(-rows // _TILE), dh, None, None, None, None, None, partials, True, 0.0)
     dp = None
     if want_dprobs:
         dp = torch.empty(rows, dtype=torch.float32, device=dev)
         ext().activation_probs_grad(partials, rows, nb, None, dp)
-    return dh, a, dp
+    return dh, dp
 
 
 def _cast(dp: Optional[torch.Tensor], probs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -231,17 +210,15 @@ def _member_column_sums(dh: torch.Tensor, splits: torch.Tensor) -> torch.Tensor:
     return bias_grad(dh, Splits(splits, None)).to(dh.dtype)
 
 
-def _finish_unfused(dh, a, dp, probs, splits, dh_hp, dh_quantizer, dbias, a_hp, a_quantizer) -> BackwardResult:
-    """Quantize high-precision results with lpmoe.group_quantize (bit-identical
+def _finish_unfused(dh, dp, probs, splits, dh_hp, dh_quantizer, dbias) -> BackwardResult:
+    """Quantize a high-precision dh with lpmoe.group_quantize (bit-identical
     to what the fused kernel writes)."""
     num = splits.numel() if splits is not None else 1
-    res = BackwardResult(dh=dh if dh_hp else None, a=a if a_hp else None, dprobs=_cast(dp, probs))
+    res = BackwardResult(dh=dh if dh_hp else None, dprobs=_cast(dp, probs))
     if dh_quantizer is not None and dbias:
         res.dh_quantized, res.dbias = group_quantize_dbias(dh, dh_quantizer, num, first_dims=splits)
     elif dh_quantizer is not None:
         res.dh_quantized = group_quantize(dh, dh_quantizer, num, first_dims=splits)
     elif dbias:
         res.dbias = _member_column_sums(dh, splits)
-    if a_quantizer is not None:
-        res.a_quantized = group_quantize(a, a_quantizer, num, first_dims=splits)
     return res

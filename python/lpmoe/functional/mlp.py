@@ -4,16 +4,18 @@
     a = act(h) * probs   (rows, F)      the fused activation kernel
     y = fc2(a)           (rows, H)
 
-Under ``Float8BlockScaling`` the activation kernel writes fc2's input directly
-as the FP8 block operand of its fprop GEMM, and in the backward it reads fc2's
+Under ``Float8BlockScaling`` the activation kernel reads h once and writes
+fc2's input directly as the FP8 block operands fc2 reads (rowwise for its
+fprop GEMM, transposed for its wgrad GEMM); in the backward it reads fc2's
 input gradient and h once and writes fc1's output gradient directly as the
-FP8 operands of fc1's dgrad and wgrad GEMMs (plus fc1's bias gradient), and
-recomputes fc2's transposed input for fc2's weight gradient.  The forward
-keeps: the transposed FP8 copy of x, the transposed FP8 weights, h (once)
-and probs; nothing of a.  Results are bit-identical to running the layers
-unfused (GroupedLinear, lpmoe.activation.activation, GroupedLinear) under the
-same recipe.  Other recipes run the same sequence with a high-precision
-activation in between (see lpmoe.policy for what each recipe saves).
+FP8 operands of fc1's dgrad and wgrad GEMMs, plus fc1's bias gradient and
+d probs.  The forward keeps only what the backward reads: the transposed FP8
+copies of x and of a (the GEMM inputs), the transposed FP8 weights, h (once)
+and probs; every rowwise copy dies with its fprop GEMM.  Results are
+bit-identical to running the layers unfused (GroupedLinear,
+lpmoe.activation.activation, GroupedLinear) under the same recipe.  Other
+recipes run the same sequence with a high-precision activation in between
+(see lpmoe.policy for what each recipe saves).
 """
 from __future__ import annotations
 
@@ -30,9 +32,8 @@ from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
 from lpmoe.functional.linear_steps import dgrad_step, linear_forward, wgrad_step
 from lpmoe.functional.splits import Splits, parse_splits
 from lpmoe.functional.weights import WeightCache, WeightSource
-from lpmoe.policy import Grad, LinearPolicy, Needs, Tokens, grouped_rows, policy_for
+from lpmoe.policy import Grad, LinearPolicy, Needs, Tokens, policy_for
 from lpmoe.policy.fp8_block import grad_views
-from lpmoe.quantizers import Quantizer
 from lpmoe.recipe import Recipe
 
 __all__ = ["grouped_mlp", "LayerParams", "CALLS"]
@@ -100,13 +101,10 @@ class _GroupedMLP(torch.autograd.Function):
         y, fw2 = linear_forward(cfg.fc2.policy, Tokens(hp=act.hp, quantized=act.quantized), ws2, b2, splits, need2)
         del act
 
-        recompute = cfg.fc2.policy.recomputed_wgrad_tokens(need2)
-        keep_h = need_act or recompute is not None
         saved.save(ctx, fw1.saved_x if need1.wgrad else None, fw1.saved_w if need1.dgrad else None,
-                   h if keep_h else None, probs if keep_h else None,
-                   fw2.saved_x if need2.wgrad and recompute is None else None,
-                   fw2.saved_w if need2.dgrad else None)
-        ctx.cfg, ctx.needs = cfg, (need1, need2, need_probs, recompute)
+                   h if need_act else None, probs if need_act else None,
+                   fw2.saved_x if need2.wgrad else None, fw2.saved_w if need2.dgrad else None)
+        ctx.cfg, ctx.needs = cfg, (need1, need2, need_probs)
         ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)
         ctx.dtype = x2d.dtype
@@ -115,53 +113,37 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         cfg = ctx.cfg
-        need1, need2, need_probs, recompute = ctx.needs
+        need1, need2, need_probs = ctx.needs
         splits, spec = cfg.splits, cfg.spec
         x1, w1s, h, probs, x2, w2s = saved.load(ctx)
         main1, main2 = ctx.main_grads
         ctx.main_grads = None
-        dy = grad_out.contiguous()
         pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
 
-        grad2 = pol2.grad(dy, splits, need2)
+        grad2 = pol2.grad(grad_out.contiguous(), splits, need2)
         da = dgrad_step(pol2, grad2, w2s, splits, cfg.fc2.shape) if need2.dgrad else None
-        del w2s
-
-        # One pass over (da, h): fc1's output gradient in the form fc1's GEMMs
-        # read, d probs, and fc2's wgrad operand recomputed.
-        q1 = pol1.grad_quantizer(need1)
-        want_a_hp = recompute == "hp" and need2.wgrad
-        q_a = recompute if isinstance(recompute, Quantizer) and need2.wgrad else None
-        res = None
-        if need2.dgrad:
-            res = kernels.backward(da, h, spec, probs, splits.device, dh_hp=need1.any and q1 is None,
-                                   dh_quantizer=q1, dbias=need1.dbias and q1 is not None, a_hp=want_a_hp,
-                                   a_quantizer=q_a, dprobs=need_probs)
-        elif want_a_hp or q_a is not None:
-            fwd = kernels.forward(h, spec, probs, splits.device, write_hp=want_a_hp, quantizer=q_a)
-            res = kernels.BackwardResult(a=fwd.hp, a_quantized=fwd.quantized)
-        del da, h
-
-        if need2.wgrad and recompute is not None:
-            tokens2 = res.a_quantized if q_a is not None else grouped_rows(res.a, splits.device)
-        else:
-            tokens2 = pol2.wgrad_tokens(x2, splits) if need2.wgrad else None
-        w2_grads, b2_grads = wgrad_step(grad2, tokens2, splits, need2, num=cfg.fc2.num, dtype=ctx.dtype,
-                                        main_grad_weights=main2)
-        del grad2, tokens2, x2
+        w2_grads, b2_grads = wgrad_step(grad2, pol2.wgrad_tokens(x2, splits) if need2.wgrad else None, splits,
+                                        need2, num=cfg.fc2.num, dtype=ctx.dtype, main_grad_weights=main2)
+        del grad2, x2, w2s
 
         dx, w1_grads, b1_grads, dprobs = None, [None] * cfg.fc1.num, None, None
-        if res is not None and need2.dgrad:
-            dprobs = res.dprobs if need_probs else None
+        if need2.dgrad:
+            # One pass over (da, h): fc1's output gradient in the form fc1's
+            # GEMMs read (with fc1's bias gradient when fused), and d probs.
+            q1 = pol1.grad_quantizer(need1)
+            res = kernels.backward(da, h, spec, probs, splits.device, dh_hp=need1.any and q1 is None,
+                                   dh_quantizer=q1, dbias=need1.dbias and q1 is not None, dprobs=need_probs)
+            del da, h
+            dprobs = res.dprobs
             if need1.any:
                 if q1 is not None:
                     grad1 = grad_views(res.dh_quantized, need1, res.dbias)
                 else:
                     grad1 = pol1.grad(res.dh, splits, need1) if (need1.dgrad or need1.wgrad) else Grad(hp=res.dh)
-                res = None
+                del res
                 dx = dgrad_step(pol1, grad1, w1s, splits, cfg.fc1.shape) if need1.dgrad else None
-                tokens1 = pol1.wgrad_tokens(x1, splits) if need1.wgrad else None
-                w1_grads, b1_grads = wgrad_step(grad1, tokens1, splits, need1, num=cfg.fc1.num, dtype=ctx.dtype,
+                w1_grads, b1_grads = wgrad_step(grad1, pol1.wgrad_tokens(x1, splits) if need1.wgrad else None,
+                                                splits, need1, num=cfg.fc1.num, dtype=ctx.dtype,
                                                 main_grad_weights=main1)
         grads = [dx, dprobs, None] + w1_grads
         if cfg.fc1.has_bias:

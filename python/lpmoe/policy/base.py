@@ -95,12 +95,6 @@ class LinearPolicy:
         output or None) for the activation feeding this layer."""
         return True, None
 
-    def recomputed_wgrad_tokens(self, need: Needs):
-        """How the activation backward recomputes this layer's wgrad token
-        operand instead of the forward saving it: "hp", a quantizer, or None
-        (the forward saves it as usual)."""
-        return None
-
     def grad_quantizer(self, need: Needs) -> Optional[Quantizer]:
         """Quantizer a fused activation backward uses to write this layer's
         output gradient directly (None: it writes high precision and

@@ -59,14 +59,11 @@ class Fp8Block(_Fp8Forward):
             qdy = group_quantize(dy, q, num_tensors=splits.num, first_dims=splits.device)
         return grad_views(qdy, need, dbias, hp=dy)
 
-    # fused expert MLP: fc2's input comes rowwise from the activation kernel,
-    # its transposed copy is recomputed by the activation backward, and fc1's
-    # output gradient is written quantized by the activation backward.
+    # fused expert MLP: the activation kernel writes fc2's input as its FP8
+    # operands (rowwise for fprop, transposed for wgrad), and the activation
+    # backward writes fc1's output gradient quantized.
     def activation_output(self, need: Needs):
-        return False, self.quantizer("input", True, False)
-
-    def recomputed_wgrad_tokens(self, need: Needs):
-        return self.quantizer("input", False, True) if need.wgrad else None
+        return False, self.quantizer("input", True, need.wgrad)
 
     def grad_quantizer(self, need: Needs) -> Optional[Float8BlockQuantizer]:
         if not (need.dgrad or need.wgrad):

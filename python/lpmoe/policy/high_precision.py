@@ -17,8 +17,3 @@ class HighPrecision(LinearPolicy):
     def grad(self, dy, splits, need: Needs) -> Grad:
         t = grouped_rows(dy, splits.device)
         return Grad(dgrad=t if need.dgrad else None, wgrad=t if need.wgrad else None, hp=dy)
-
-    def recomputed_wgrad_tokens(self, need: Needs):
-        # The activation backward reads h anyway: recomputing a costs one
-        # write instead of keeping (rows, F) alive from forward to backward.
-        return "hp" if need.wgrad else None

@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["exp_lp", "sigmoid_lp", "activation_forward", "activation_backward", "probs_grad_order_sum",
+__all__ = ["fma32", "exp_lp", "rcp_lp", "sigmoid_lp", "activation_forward", "activation_backward", "probs_grad_order_sum",
            "KINDS", "GLU_KINDS"]
 
 KINDS = ("swiglu", "geglu", "gelu", "relu", "clamped_swiglu")
@@ -42,32 +42,58 @@ GELU_A = _f32(0x3D372713)     # 0.044715
 GELU_3A = _f32(0x3E095D4F)    # 3 * 0.044715
 ONE = torch.tensor(1.0)
 HALF = torch.tensor(0.5)
+MAGIC = torch.tensor(12582912.0)          # 1.5 * 2^23: x + MAGIC - MAGIC = rint(x) for |x| < 2^22
+TWO_125 = torch.tensor(2.0 ** 125)
+
+
+def fma32(a, b, c) -> torch.Tensor:
+    """fp32 fused multiply-add a * b + c with one rounding (as the GPU's
+    FFMA), computed exactly in fp64: the product of two fp32 values is exact
+    in fp64, TwoSum gives the exact sum as s + err, and rounding s to fp32 is
+    correct except when s lies exactly halfway between two fp32 values, where
+    err decides the side."""
+    a, b, c = (torch.as_tensor(v, dtype=torch.float32).double() for v in (a, b, c))
+    prod = a * b
+    s = prod + c
+    bv = s - prod
+    err = (prod - (s - bv)) + (c - bv)
+    r = s.float()
+    d = s - r.double()
+    toward = torch.nextafter(r, torch.where(d > 0, torch.tensor(float("inf")), torch.tensor(-float("inf"))))
+    tie = (d != 0) & (s == (r.double() + toward.double()) / 2)
+    beyond = ((err > 0) & (d > 0)) | ((err < 0) & (d < 0))
+    return torch.where(tie & beyond, toward, r)
 
 
 def exp_lp(x: torch.Tensor) -> torch.Tensor:
-    """lpmoe's fp32 exp: e^x = 2^n * p(r), n = rint(x / ln 2), r = x - n ln 2
-    (two-part ln 2), p the degree-7 Taylor polynomial in Horner form, and
-    2^n applied as two exact power-of-two factors 2^floor(n/2) * 2^(n -
-    floor(n/2)) so that only the last multiply rounds (subnormal results
-    included).  Within ~2 ulp of e^x; +inf for n > 128, 0 for n < -151, NaN
-    for NaN."""
-    x = x.float()
-    n = torch.round(x * LOG2E)                       # round half to even, as rintf
-    r = (x - n * LN2_HI) - n * LN2_LO
+    """lpmoe's fp32 exp: x clamped to [-104, 88.75] (NaN kept); e^x =
+    2^n * p(r) with n = rint(x / ln 2), r = fma(-n, LN2_LO, fma(-n, LN2_HI,
+    x)), p the degree-7 Taylor polynomial by Horner's rule in fused
+    multiply-adds, and 2^n applied as two exact power-of-two factors
+    2^floor(n/2) * 2^(n - floor(n/2)) so that only the last multiply rounds.
+    Within ~2 ulp of e^x; overflows to +inf above 88.72 and rounds to 0
+    below -103.97 through the clamp bounds alone."""
+    xc = x.float().clamp(-104.0, 88.75)
+    j = xc * LOG2E + MAGIC                           # rint (half to even) in the low mantissa bits
+    ni = j.view(torch.int32) - 0x4B400000
+    n = j - MAGIC
+    r = fma32(-n, LN2_LO, fma32(-n, LN2_HI, xc))
     p = EXP_TAYLOR[0]
     for c in EXP_TAYLOR[1:] + [HALF, ONE, ONE]:
-        p = p * r + c                                # separate multiply and add
-    nc = torch.nan_to_num(n, nan=0.0).clamp(-152, 128).to(torch.int32)
-    n1 = torch.div(nc, 2, rounding_mode="floor")
-    n2 = nc - n1
-    e = (p * ((n1 + 127) << 23).view(torch.float32)) * ((n2 + 127) << 23).view(torch.float32)
-    e = torch.where(n > 128, torch.tensor(float("inf")), e)
-    return torch.where(n < -151, torch.tensor(0.0), e)
+        p = fma32(p, r, c)
+    n1 = torch.div(ni, 2, rounding_mode="floor")
+    return (p * ((n1 + 127) << 23).view(torch.float32)) * ((ni - n1 + 127) << 23).view(torch.float32)
+
+
+def rcp_lp(y: torch.Tensor) -> torch.Tensor:
+    """1 / y for y >= 1, correctly rounded; 0 for y >= 2^125 (where 1/y
+    would leave the normal range)."""
+    return torch.where(y >= TWO_125, torch.tensor(0.0), ONE / y)
 
 
 def sigmoid_lp(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + e^-x): the sum and the reciprocal each rounded once."""
-    return ONE / (ONE + exp_lp(-x))
+    """rcp(1 + e^-x), the sum rounded once (0 below x of about -86.6)."""
+    return rcp_lp(ONE + exp_lp(-x))
 
 
 def _gelu_parts(x):
