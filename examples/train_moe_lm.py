@@ -191,7 +191,7 @@ def train(args, recipe, train_data, val_data, device) -> Dict[str, List]:
                          for vx, vy in val_batches) / len(val_batches)
             hist["val_step"].append(step)
             hist["val"].append(vl)
-            print(f"[{name}] step {step:5d}  train {float(loss):.4f}  val {vl:.4f}  "
+            print(f"[{name}] step {step:5d}  train {float(loss.detach()):.4f}  val {vl:.4f}  "
                   f"{tokens / train_time / 1e3:8.1f} k tokens/s", flush=True)
     hist["tokens_per_s"] = tokens / train_time
     return hist

@@ -11,7 +11,9 @@ input gradient and h once and writes fc1's output gradient directly as the
 FP8 operands of fc1's dgrad and wgrad GEMMs, plus fc1's bias gradient and
 d probs.  The forward keeps only what the backward reads: the transposed FP8
 copies of x and of a (the GEMM inputs), the transposed FP8 weights, h (once)
-and probs; every rowwise copy dies with its fprop GEMM.  Results are
+and probs; every rowwise copy dies with its fprop GEMM, and the backward
+drops fc2's operands and h as soon as their last GEMM or kernel has run
+(lpmoe.functional.saved.hold).  Results are
 bit-identical to running the layers unfused (GroupedLinear,
 lpmoe.activation.activation, GroupedLinear) under the same recipe.  Other
 recipes run the same sequence with a high-precision activation in between
@@ -40,6 +42,8 @@ __all__ = ["grouped_mlp", "LayerParams", "CALLS"]
 
 #: calls of the fused MLP autograd function (tests prove which path ran)
 CALLS = {"grouped_mlp": 0}
+# bytes the last forward held outside save_for_backward (for tests)
+_LAST_HELD = [0]
 
 
 @dataclass
@@ -101,9 +105,15 @@ class _GroupedMLP(torch.autograd.Function):
         y, fw2 = linear_forward(cfg.fc2.policy, Tokens(hp=act.hp, quantized=act.quantized), ws2, b2, splits, need2)
         del act
 
+        # Parameters (and the caller's tensors) through save_for_backward;
+        # what this function made and its backward drops half-way is held.
+        sx2 = fw2.saved_x if need2.wgrad else None
+        sw2 = fw2.saved_w if need2.dgrad else None
+        sw2_params = isinstance(sw2, list)
         saved.save(ctx, fw1.saved_x if need1.wgrad else None, fw1.saved_w if need1.dgrad else None,
-                   h if need_act else None, probs if need_act else None,
-                   fw2.saved_x if need2.wgrad else None, fw2.saved_w if need2.dgrad else None)
+                   probs if need_act else None, sw2 if sw2_params else None)
+        saved.hold(ctx, h=h if need_act else None, x2=sx2, w2=None if sw2_params else sw2)
+        _LAST_HELD[0] = saved.held_bytes(ctx)
         ctx.cfg, ctx.needs = cfg, (need1, need2, need_probs)
         ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)
@@ -115,22 +125,25 @@ class _GroupedMLP(torch.autograd.Function):
         cfg = ctx.cfg
         need1, need2, need_probs = ctx.needs
         splits, spec = cfg.splits, cfg.spec
-        x1, w1s, h, probs, x2, w2s = saved.load(ctx)
+        x1, w1s, probs, w2_params = saved.load(ctx)
+        w2s = w2_params if w2_params is not None else saved.take(ctx, "w2")
         main1, main2 = ctx.main_grads
-        ctx.main_grads = None
         pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
 
         grad2 = pol2.grad(grad_out.contiguous(), splits, need2)
         da = dgrad_step(pol2, grad2, w2s, splits, cfg.fc2.shape) if need2.dgrad else None
+        del w2s
+        x2 = saved.take(ctx, "x2")
         w2_grads, b2_grads = wgrad_step(grad2, pol2.wgrad_tokens(x2, splits) if need2.wgrad else None, splits,
                                         need2, num=cfg.fc2.num, dtype=ctx.dtype, main_grad_weights=main2)
-        del grad2, x2, w2s
+        del grad2, x2
 
         dx, w1_grads, b1_grads, dprobs = None, [None] * cfg.fc1.num, None, None
         if need2.dgrad:
             # One pass over (da, h): fc1's output gradient in the form fc1's
             # GEMMs read (with fc1's bias gradient when fused), and d probs.
             q1 = pol1.grad_quantizer(need1)
+            h = saved.take(ctx, "h")
             res = kernels.backward(da, h, spec, probs, splits.device, dh_hp=need1.any and q1 is None,
                                    dh_quantizer=q1, dbias=need1.dbias and q1 is not None, dprobs=need_probs)
             del da, h

@@ -1,10 +1,16 @@
 """What the grouped layers keep for their backward.
 
-Everything goes through ``ctx.save_for_backward``: tensors, lists of tensors
-and GroupedTensors (flattened into their buffers and metadata tensors).  So
-autograd catches in-place changes to saved parameters (an optimizer step
-before the backward), and saved-tensor hooks (activation offloading,
-``torch.autograd.graph.saved_tensors_hooks``) see every saved byte.
+:func:`save` / :func:`load` go through ``ctx.save_for_backward``: tensors,
+lists of tensors and GroupedTensors (flattened into their buffers and
+metadata tensors).  So autograd catches in-place changes to saved parameters
+(an optimizer step before the backward), and saved-tensor hooks (activation
+offloading, ``torch.autograd.graph.saved_tensors_hooks``) see those bytes.
+
+Autograd frees saved tensors only when the whole backward of the function
+returns.  Intermediates that the function itself created and that die in
+the middle of its backward (the fused MLP's h and fc2's operands) are
+therefore kept with :func:`hold` / :func:`take` instead, so the backward can
+drop them right after their last reader; :func:`held_bytes` reports them.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 
 from lpmoe.grouped_tensor import GroupedTensor
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "hold", "take", "held_bytes"]
 
 
 def save(ctx, *objs) -> None:
@@ -56,3 +62,38 @@ def load(ctx) -> list:
         else:
             out.append(GroupedTensor.unflatten(part, meta))
     return out
+
+
+def hold(ctx, **objs) -> None:
+    """Keep internal intermediates (None, tensors, lists, GroupedTensors) for
+    the backward outside save_for_backward, so it can release them early."""
+    ctx.held = dict(objs)
+
+
+def take(ctx, name: str):
+    """Hand over a held object and drop the function's reference to it (a
+    second backward through the same graph cannot have it again)."""
+    if name not in ctx.held:
+        raise RuntimeError("this backward already released its activations: running it twice "
+                           "(retain_graph=True) is not supported by lpmoe's fused MLP")
+    return ctx.held.pop(name)
+
+
+def _tensors(obj) -> List[torch.Tensor]:
+    if obj is None:
+        return []
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list):
+        return list(obj)
+    return obj.flatten()[0]
+
+
+def held_bytes(ctx) -> int:
+    """Bytes of the distinct storages currently held by :func:`hold`."""
+    seen = {}
+    for obj in getattr(ctx, "held", {}).values():
+        for t in _tensors(obj):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
