@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 from typing import Callable, List
 
@@ -27,6 +28,22 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 15, reps: 
         b.synchronize()
         times.append(a.elapsed_time(b) / reps)
     return statistics.median(times)
+
+
+def time_and_peak(step: Callable[[], object], reset: Callable[[], object] = lambda: None):
+    """(median ms per step, peak GiB of one step above what was allocated
+    before it).  One step runs first (workspaces, caches), then ``reset``
+    (e.g. drop the gradients it made), then the measured step."""
+    step()
+    reset()
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return median_ms(step, warmup=2, iters=7, reps=3), peak
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

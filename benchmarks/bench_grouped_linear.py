@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import lpmoe
 from lpmoe.recipe import Float8BlockScaling
 
-from _common import median_ms, parser, splits_for, write_summary
+from _common import parser, splits_for, time_and_peak, write_summary
 
 HIDDEN, FFN = 7168, 2048
 
@@ -54,13 +54,7 @@ class LoopMLP(torch.nn.Module):
 
 
 def time_step(step):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return median_ms(step, warmup=3, iters=7, reps=3), peak
+    return time_and_peak(step)
 
 
 def run_case(g, tokens, skewed):

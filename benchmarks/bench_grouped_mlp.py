@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import lpmoe
 from lpmoe.recipe import Float8BlockScaling
 
-from _common import median_ms, parser, splits_for, write_summary
+from _common import parser, splits_for, time_and_peak, write_summary
 
 HIDDEN, FFN = 7168, 2048
 
@@ -51,20 +51,6 @@ def free_memory():
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-
-
-def measure(step, zero_grads):
-    """(ms per step, peak GiB above the memory allocated before the step)."""
-    step()
-    zero_grads()
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return median_ms(step, warmup=2, iters=7, reps=3), peak
 
 
 def run_case(g, tokens, skewed):
@@ -100,7 +86,7 @@ def run_case(g, tokens, skewed):
                     mlp.zero_grad(set_to_none=True)
                 with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
                     mlp(x, m, probs=p, is_first_microbatch=False if cached else None).backward(dy)
-            res[(name, grads)] = measure(step, leaf_grads_off if main else lambda: mlp.zero_grad(set_to_none=True))
+            res[(name, grads)] = time_and_peak(step, leaf_grads_off if main else lambda: mlp.zero_grad(set_to_none=True))
             del mlp
             free_memory()
     tm = TorchGroupedMLP(g)
@@ -111,8 +97,8 @@ def run_case(g, tokens, skewed):
                 tm.zero_grad(set_to_none=True)
             tm(x, offs, p).backward(dy)
         try:
-            res[("torch", grads)] = measure(tstep, leaf_grads_off if grads == "main_grad" else
-                                            lambda: tm.zero_grad(set_to_none=True))
+            res[("torch", grads)] = time_and_peak(tstep, leaf_grads_off if grads == "main_grad" else
+                                                  lambda: tm.zero_grad(set_to_none=True))
         except RuntimeError as exc:  # e.g. no grouped-mm backward in this torch
             print(f"  torch._grouped_mm MLP unavailable: {str(exc)[:100]}")
             break

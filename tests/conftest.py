@@ -21,3 +21,17 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     elements a kernel failed to write show up in bitwise comparisons."""
     t.view(torch.uint8).fill_(0xA5)
     return t
+
+
+def capture_graph(step):
+    """Warm ``step`` up on a side stream, then capture it in a CUDA graph;
+    returns (graph, the outputs of the captured call)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import lpmoe
-from conftest import poison_, requires_cuda
+from conftest import capture_graph, poison_, requires_cuda
 from lpmoe.activation import Activation, activation, kernels
 from lpmoe.quantizers import Float8BlockQuantizer
 from lpmoe.reference import activation as R
@@ -321,14 +321,7 @@ def test_gpu_fused_kernels_capture_and_replay_new_routing_without_syncs():
         step()  # eager: no host sync anywhere
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_graph(step)
     for trial in range(3):
         gen = torch.Generator().manual_seed(trial)
         cuts = torch.sort(torch.randint(0, rows - 100, (g - 1,), generator=gen)).values

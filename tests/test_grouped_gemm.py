@@ -9,7 +9,7 @@ from lpmoe import Float8BlockQuantizer, GroupedTensor
 from lpmoe.gemm import CALLS, gemm_workspace, reference_grouped_gemm, setup_workspace
 from lpmoe.gemm.operands import parse_operands
 
-from conftest import requires_cuda
+from conftest import capture_graph, requires_cuda
 
 Q1 = Float8BlockQuantizer(block_dim=1)
 Q2 = Float8BlockQuantizer(block_dim=2)
@@ -291,14 +291,7 @@ def test_gpu_graph_replay_with_new_routing(fmt):
         dw = lpmoe.grouped_gemm(dyg, xg, kind="wgrad")
         return y, dx, dw
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_graph(step)
     for splits in ([0, 300, 12, 200], [512, 0, 0, 0], [100, 100, 100, 100]):
         m.copy_(torch.tensor(splits))
         x.copy_(torch.randn_like(x))

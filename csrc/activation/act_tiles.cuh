@@ -79,6 +79,30 @@ __device__ __forceinline__ void for_each_tile(const Common& c, uint8_t* buf, Sta
   cp_async_wait_all();
 }
 
+// Calls fn.template operator()<K>() for the run-time kind (one kernel
+// instantiation per activation).
+template <typename Fn>
+cudaError_t dispatch_kind(Kind kind, Fn&& fn) {
+  switch (kind) {
+    case Kind::kSwiGLU: return fn.template operator()<Kind::kSwiGLU>();
+    case Kind::kGeGLU: return fn.template operator()<Kind::kGeGLU>();
+    case Kind::kGELU: return fn.template operator()<Kind::kGELU>();
+    case Kind::kReLU: return fn.template operator()<Kind::kReLU>();
+    case Kind::kClampedSwiGLU: return fn.template operator()<Kind::kClampedSwiGLU>();
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Launches a persistent tile kernel: as many CTAs as fit (at most one per tile).
+template <typename Kernel, typename Args>
+cudaError_t launch_tiles(Kernel kernel, int dynamic_smem, const Common& c, const Args& args, cudaStream_t stream) {
+  dim3 grid;
+  LPMOE_RETURN_IF_ERROR(
+      persistent_grid(kernel, kThreads, dynamic_smem, c.max_row_tiles * ceil_div<int64_t>(c.ffn, kTile), grid));
+  kernel<<<grid, kThreads, dynamic_smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
 // Row scales of this thread's 8 rows (1 where there are no probs).
 __device__ __forceinline__ void load_row_probs(const Common& c, const TileRef& t, float (&p)[kStageRowsPerThread]) {
   const int g = threadIdx.x >> 4;

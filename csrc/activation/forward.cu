@@ -61,26 +61,11 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs 
   for_each_tile(c, stage_buf, stage, [](uint8_t*, const TileRef&) {}, compute, finish);
 }
 
-template <typename IType, Kind K, bool kFp8>
-cudaError_t launch_typed(const ForwardArgs& a, cudaStream_t stream) {
-  auto kernel = forward_kernel<IType, K, kFp8>;
-  const int smem = forward_inputs<K>() * stage_tile_bytes<IType>();
-  dim3 grid;
-  LPMOE_RETURN_IF_ERROR(persistent_grid(kernel, kThreads, smem, a.c.max_row_tiles * ceil_div<int64_t>(a.c.ffn, kTile), grid));
-  kernel<<<grid, kThreads, smem, stream>>>(a);
-  return cudaGetLastError();
-}
-
 template <typename IType, bool kFp8>
 cudaError_t launch_kind(const ForwardArgs& a, cudaStream_t stream) {
-  switch (a.c.kind) {
-    case Kind::kSwiGLU: return launch_typed<IType, Kind::kSwiGLU, kFp8>(a, stream);
-    case Kind::kGeGLU: return launch_typed<IType, Kind::kGeGLU, kFp8>(a, stream);
-    case Kind::kGELU: return launch_typed<IType, Kind::kGELU, kFp8>(a, stream);
-    case Kind::kReLU: return launch_typed<IType, Kind::kReLU, kFp8>(a, stream);
-    case Kind::kClampedSwiGLU: return launch_typed<IType, Kind::kClampedSwiGLU, kFp8>(a, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_kind(a.c.kind, [&]<Kind K>() {
+    return launch_tiles(forward_kernel<IType, K, kFp8>, forward_inputs<K>() * stage_tile_bytes<IType>(), a.c, a, stream);
+  });
 }
 
 }  // namespace
