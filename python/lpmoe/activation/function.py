@@ -26,7 +26,7 @@ class _ActivationFn(torch.autograd.Function):
         need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_p):
             return None, None, None
-        res = kernels.backward(da, h2d, ctx.spec, probs if probs is not None else None, None, dh_hp=need_h)
+        res = kernels.backward(da, h2d, ctx.spec, probs, None, dh_hp=need_h, dprobs=need_p)
         return res.dh, res.dprobs if need_p else None, None
 
 

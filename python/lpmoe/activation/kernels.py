@@ -79,11 +79,10 @@ def _empty_fp8(q: Float8BlockQuantizer, splits: torch.Tensor, rows: int, cols: i
     return GroupedTensor.empty(q, splits.numel(), (rows, cols), dtype=dtype, first_dims=splits, device=splits.device)
 
 
-def _fp8_bufs(g: Optional[GroupedTensor], rowwise: bool = True):
-    if g is None:
-        return [None] * 4
+def _fp8_bufs(g: GroupedTensor):
+    """(rowwise data, scales, columnwise data, scales) the kernel writes; None where not produced."""
     q = g.quantizer
-    return [g.rowwise_data if q.rowwise and rowwise else None, g.scale_inv if q.rowwise and rowwise else None,
+    return [g.rowwise_data if q.rowwise else None, g.scale_inv if q.rowwise else None,
             g.columnwise_data if q.columnwise else None, g.columnwise_scale_inv if q.columnwise else None]
 
 

@@ -42,8 +42,6 @@ __all__ = ["grouped_mlp", "LayerParams", "CALLS"]
 
 #: calls of the fused MLP autograd function (tests prove which path ran)
 CALLS = {"grouped_mlp": 0}
-# bytes the last forward held outside save_for_backward (for tests)
-_LAST_HELD = [0]
 
 
 @dataclass
@@ -113,7 +111,6 @@ class _GroupedMLP(torch.autograd.Function):
         saved.save(ctx, fw1.saved_x if need1.wgrad else None, fw1.saved_w if need1.dgrad else None,
                    probs if need_act else None, sw2 if sw2_params else None)
         saved.hold(ctx, h=h if need_act else None, x2=sx2, w2=None if sw2_params else sw2)
-        _LAST_HELD[0] = saved.held_bytes(ctx)
         ctx.cfg, ctx.needs = cfg, (need1, need2, need_probs)
         ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)

@@ -20,9 +20,10 @@ from typing import Optional
 import torch
 
 from lpmoe.grouped_tensor import GroupedTensor
+from lpmoe.quantize import group_dequantize
 from lpmoe.quantizers import Quantizer
 
-__all__ = ["Needs", "Tokens", "Forward", "Grad", "LinearPolicy", "grouped_rows"]
+__all__ = ["Needs", "Tokens", "Forward", "Grad", "LinearPolicy", "grouped_rows", "dequantized_rows"]
 
 
 @dataclass
@@ -60,6 +61,11 @@ class Grad:
     wgrad: object = None                    # wgrad's token operand
     dbias: Optional[torch.Tensor] = None    # (G, N) when fused into the quantization
     hp: Optional[torch.Tensor] = None       # high-precision dy, for a bias gradient computed separately
+
+
+def dequantized_rows(qg: GroupedTensor) -> torch.Tensor:
+    """(rows, K) high-precision values of a quantized group (its rowwise copy)."""
+    return group_dequantize(qg, qg.dtype).rowwise_data.view(qg.logical_shape)
 
 
 def grouped_rows(x2d: torch.Tensor, splits: torch.Tensor) -> GroupedTensor:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
-from lpmoe.quantize import group_dequantize, group_quantize
+from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows
+from lpmoe.quantize import group_quantize
 
 __all__ = ["Emulated"]
 
@@ -19,8 +19,7 @@ __all__ = ["Emulated"]
 def fake_quantize(x2d: torch.Tensor, quantizer, splits, num: int) -> torch.Tensor:
     """Quantize then dequantize.  Rows past the splits are left
     uninitialised: no GEMM reads them."""
-    qg = group_quantize(x2d, quantizer, num_tensors=num, first_dims=splits)
-    return group_dequantize(qg, x2d.dtype).rowwise_data.view(qg.logical_shape)
+    return dequantized_rows(group_quantize(x2d, quantizer, num_tensors=num, first_dims=splits))
 
 
 class Emulated(LinearPolicy):

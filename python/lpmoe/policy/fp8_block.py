@@ -3,10 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
-from lpmoe.quantize import group_dequantize, group_quantize, group_quantize_dbias
+from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows
+from lpmoe.quantize import group_quantize, group_quantize_dbias
 from lpmoe.quantizers import Float8BlockQuantizer
 from lpmoe.recipe import Float8BlockScaling
 
@@ -110,15 +108,10 @@ class Fp8BlockDequantizedBackward(_Fp8Forward):
         return Grad(dgrad=t if need.dgrad else None, wgrad=t if need.wgrad else None, hp=dy)
 
     def dgrad_weights(self, saved_w, num: int, n: int, k: int):
-        return _dequantized(saved_w).view(num, n, k)
+        return dequantized_rows(saved_w).view(num, n, k)
 
     def wgrad_tokens(self, saved_x, splits):
-        return grouped_rows(_dequantized(saved_x), splits.device)
+        return grouped_rows(dequantized_rows(saved_x), splits.device)
 
     def activation_output(self, need: Needs):
         return False, self.quantizer("input", True, False)
-
-
-def _dequantized(qg) -> torch.Tensor:
-    """(rows, K) high-precision values of a quantized group (rowwise copy)."""
-    return group_dequantize(qg, qg.dtype).rowwise_data.view(qg.logical_shape)
