@@ -4,10 +4,14 @@
 // alignment, sizes it can see) and launches.
 #include <ATen/cuda/CUDAContext.h>
 
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "binding/common.h"
 #include "binding/ops.h"
+#include "fp8_gemm/block_scaled.h"
+#include "fp8_gemm/heuristics.h"
 #include "gemm/cublaslt_matmul.h"
 #include "gemm/grouped_gemm.h"
 
@@ -39,17 +43,33 @@ void check_hopper(const at::Tensor& ref, const char* what) {
 
 }  // namespace
 
+std::tuple<int64_t, int64_t> fp8_block_scaled_choice(int64_t a_rows, int64_t num_groups, int64_t n_cols,
+                                                     int64_t sm_count) {
+  TORCH_CHECK(a_rows >= 0 && num_groups >= 1 && n_cols >= 1 && sm_count >= 1,
+              "lpmoe: fp8_block_scaled_choice needs a_rows >= 0, num_groups >= 1, n_cols >= 1, sm_count >= 1");
+  const auto c = fp8_gemm::choose_config(a_rows, static_cast<int>(num_groups), n_cols, static_cast<int>(sm_count));
+  return {c.block_n, c.cluster};  // (-1, 0): the CUTLASS kernel
+}
+
 int64_t grouped_gemm_setup_bytes(int64_t num_groups) {
   TORCH_CHECK(num_groups >= 0, "lpmoe: num_groups must be >= 0");
   return static_cast<int64_t>(gemm::grouped_gemm_setup_bytes(static_cast<int>(num_groups)));
 }
 
-void grouped_gemm_cutlass(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
-                          const at::Tensor& b, const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems,
-                          const c10::optional<at::Tensor>& b_scale, int64_t b_scale_member_elems, const at::Tensor& d,
-                          const at::Tensor& padded_row_offsets, int64_t num_groups, int64_t n, int64_t k,
-                          double beta, const at::Tensor& setup, const at::Tensor& workspace) {
+std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
+    int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale, const at::Tensor& b,
+    const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems, const c10::optional<at::Tensor>& b_scale,
+    int64_t b_scale_member_elems, const at::Tensor& d, const at::Tensor& padded_row_offsets, int64_t num_groups,
+    int64_t n, int64_t k, double beta, const at::Tensor& setup, const at::Tensor& workspace, int64_t fp8_width,
+    int64_t fp8_cluster) {
   const gemm::GemmKind gk = to_kind(kind);
+  if (!(fp8_width == -1 || (fp8_width == 0 && fp8_cluster == 0) ||
+        fp8_gemm::block_scaled_supports({static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)},
+                                        static_cast<int>(num_groups)))) {
+    throw std::invalid_argument("lpmoe: FP8 kernel config (width " + std::to_string(fp8_width) + ", cluster " +
+                                std::to_string(fp8_cluster) + ") does not exist in this build for " +
+                                std::to_string(num_groups) + " groups");
+  }
   check_operand(a, a, "a");
   check_operand(b, a, "b");
   check_operand(d, a, "out");
@@ -113,24 +133,41 @@ void grouped_gemm_cutlass(int64_t kind, int64_t fmt, const at::Tensor& a, const 
   args.workspace_bytes = workspace.nbytes();
   args.sm_count = at::cuda::getDeviceProperties(a.device().index())->multiProcessorCount;
   args.stream = current_stream();
-  cudaError_t st;
-  if (fp8) {
-    st = gk != gemm::GemmKind::kWgrad ? gemm::fp8_block_grouped_gemm_1x128_128x128(args)
-         : wgrad_bf16                 ? gemm::fp8_block_grouped_gemm_wgrad_bf16out(args)
-                                      : gemm::fp8_block_grouped_gemm_wgrad(args);
-  } else if (fmt == kBF16) {
-    st = gk == gemm::GemmKind::kFprop   ? gemm::grouped_gemm_bf16_fprop(args)
-         : gk == gemm::GemmKind::kDgrad ? gemm::grouped_gemm_bf16_dgrad(args)
-         : wgrad_bf16                   ? gemm::grouped_gemm_bf16_wgrad_bf16out(args)
-                                        : gemm::grouped_gemm_bf16_wgrad(args);
-  } else {
-    st = gk == gemm::GemmKind::kFprop   ? gemm::grouped_gemm_fp16_fprop(args)
-         : gk == gemm::GemmKind::kDgrad ? gemm::grouped_gemm_fp16_dgrad(args)
-                                        : gemm::grouped_gemm_fp16_wgrad(args);
+  cudaError_t st = cudaErrorNotSupported;
+  fp8_gemm::BlockScaledConfig ran{-1, 0};  // CUTLASS
+  if (fp8 && gk != gemm::GemmKind::kWgrad && fp8_width != -1) {
+    // lpmoe's block-scaled kernel.  The heuristic's choice (zeros) falls back
+    // to CUTLASS where it cannot run (discrete weights, too many groups); a
+    // forced configuration fails instead.
+    const fp8_gemm::BlockScaledConfig want{static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)};
+    const bool forced = fp8_width != 0 || fp8_cluster != 0;
+    st = fp8_gemm::run_block_scaled(args, a_rows, want, &ran);
+    if (st == cudaErrorNotSupported && forced) {
+      throw std::invalid_argument("lpmoe: the FP8 block-scaled kernel cannot run this call with config (width " +
+                                  std::to_string(fp8_width) + ", cluster " + std::to_string(fp8_cluster) + ")");
+    }
+  }
+  if (st == cudaErrorNotSupported) {
+    ran = fp8_gemm::BlockScaledConfig{-1, 0};
+    if (fp8) {
+      st = gk != gemm::GemmKind::kWgrad ? gemm::fp8_block_grouped_gemm_1x128_128x128(args)
+           : wgrad_bf16                 ? gemm::fp8_block_grouped_gemm_wgrad_bf16out(args)
+                                        : gemm::fp8_block_grouped_gemm_wgrad(args);
+    } else if (fmt == kBF16) {
+      st = gk == gemm::GemmKind::kFprop   ? gemm::grouped_gemm_bf16_fprop(args)
+           : gk == gemm::GemmKind::kDgrad ? gemm::grouped_gemm_bf16_dgrad(args)
+           : wgrad_bf16                   ? gemm::grouped_gemm_bf16_wgrad_bf16out(args)
+                                          : gemm::grouped_gemm_bf16_wgrad(args);
+    } else {
+      st = gk == gemm::GemmKind::kFprop   ? gemm::grouped_gemm_fp16_fprop(args)
+           : gk == gemm::GemmKind::kDgrad ? gemm::grouped_gemm_fp16_dgrad(args)
+                                          : gemm::grouped_gemm_fp16_wgrad(args);
+    }
   }
   TORCH_CHECK(st != cudaErrorNotSupported, "lpmoe: this build has no sm_90a grouped GEMM code (build with "
               "TORCH_CUDA_ARCH_LIST containing 9.0a)");
   LPMOE_CHECK_LAUNCH(st, "grouped GEMM");
+  return {ran.block_n, ran.cluster};
 }
 
 void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,

@@ -1,6 +1,8 @@
 // Declarations of every op the binding layer exposes; module.cpp registers them.
 #pragma once
 
+#include <tuple>
+
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
@@ -77,11 +79,19 @@ void activation_probs_grad(const at::Tensor& partials, int64_t rows, int64_t blo
 
 // Grouped GEMM (csrc/gemm); see lpmoe/gemm.
 int64_t grouped_gemm_setup_bytes(int64_t num_groups);
-void grouped_gemm_cutlass(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
-                          const at::Tensor& b, const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems,
-                          const c10::optional<at::Tensor>& b_scale, int64_t b_scale_member_elems, const at::Tensor& d,
-                          const at::Tensor& padded_row_offsets, int64_t num_groups, int64_t n, int64_t k,
-                          double beta, const at::Tensor& setup, const at::Tensor& workspace);
+// (tile width, cluster) the FP8 fprop/dgrad heuristic picks (csrc/fp8_gemm/heuristics.h).
+std::tuple<int64_t, int64_t> fp8_block_scaled_choice(int64_t a_rows, int64_t num_groups, int64_t n_cols,
+                                                     int64_t sm_count);
+// Returns which kernel ran: (tile width, cluster) of lpmoe's FP8
+// block-scaled kernel, or (-1, 0) for the CUTLASS kernels.  fp8_width: 0 =
+// the heuristic's choice, -1 = the CUTLASS kernel, else a tile width;
+// fp8_cluster: 0 = the heuristic's choice, else 1 or 2 (FP8 fprop/dgrad).
+std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
+    int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale, const at::Tensor& b,
+    const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems, const c10::optional<at::Tensor>& b_scale,
+    int64_t b_scale_member_elems, const at::Tensor& d, const at::Tensor& padded_row_offsets, int64_t num_groups,
+    int64_t n, int64_t k, double beta, const at::Tensor& setup, const at::Tensor& workspace, int64_t fp8_width,
+    int64_t fp8_cluster);
 void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
                          const std::vector<int64_t>& b_addrs, const std::vector<int64_t>& b_scale_addrs,
                          const c10::optional<at::Tensor>& b_token, const c10::optional<at::Tensor>& b_token_scale,

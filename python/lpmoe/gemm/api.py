@@ -33,6 +33,8 @@ at capacity, so kernels never go out of bounds).
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -41,7 +43,7 @@ from lpmoe.gemm.operands import GemmOperands, host_splits, parse_operands
 from lpmoe.gemm.reference import reference_grouped_gemm
 from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace, slot_for_kind
 
-__all__ = ["grouped_gemm", "grouped_backend_support"]
+__all__ = ["grouped_gemm", "grouped_backend_support", "fp8_kernel_config", "fp8_kernel_key"]
 
 _BACKENDS = ("auto", "grouped", "cublas")
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -49,8 +51,42 @@ _FMT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 3}
 _KIND = {"fprop": 0, "dgrad": 1, "wgrad": 2}
 _ptr_tables: Dict[Tuple[int, ...], torch.Tensor] = {}
 
-#: counts of backend launches, for tests that prove which path ran
-CALLS = {"grouped": 0, "cublas": 0, "reference": 0}
+#: counts of backend launches, for tests that prove which path ran; FP8
+#: grouped calls also count the kernel that ran: "fp8_n<width>_c<cluster>"
+#: (lpmoe's block-scaled kernel, csrc/fp8_gemm) or "fp8_cutlass".
+CALLS = {"grouped": 0, "cublas": 0, "reference": 0, "fp8_cutlass": 0}
+
+# FP8 fprop/dgrad kernel of the grouped backend, (tile width, cluster):
+# zeros = the shape heuristic's choice (csrc/fp8_gemm/heuristics.h); width
+# -1 = the CUTLASS kernel.  Set through fp8_kernel_config().
+_fp8_config = (0, 0)
+#: tile widths of lpmoe's FP8 kernel in this build (csrc/fp8_gemm/block_scaled.h)
+FP8_TILE_WIDTHS = (128, 160, 192)
+
+
+@contextlib.contextmanager
+def fp8_kernel_config(width: int = 0, cluster: int = 0):
+    """Pin the grouped backend's FP8 fprop/dgrad kernel inside the block (tests,
+    benchmarks, tuning): ``width`` 0 = automatic, -1 = the CUTLASS kernel, or a
+    tile width lpmoe's kernel is built with (128, 160, 192); ``cluster`` 0 =
+    automatic, 1 or 2 CTAs (2 multicasts the weight tile).  Not thread-local."""
+    global _fp8_config
+    for name, v in (("width", width), ("cluster", cluster)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if width not in (0, -1) + FP8_TILE_WIDTHS or cluster not in (0, 1, 2):
+        raise ValueError(f"fp8_kernel_config: width must be 0, -1 or one of {FP8_TILE_WIDTHS} and cluster 0, 1 or 2; "
+                         f"got width={width}, cluster={cluster}")
+    old, _fp8_config = _fp8_config, (width, cluster)
+    try:
+        yield
+    finally:
+        _fp8_config = old
+
+
+def fp8_kernel_key(width: int, cluster: int) -> str:
+    """CALLS key of a kernel configuration."""
+    return "fp8_cutlass" if width < 0 else f"fp8_n{width}_c{cluster}"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -301,9 +337,12 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None
         target = out.float() if accumulate else torch.empty(out.shape, dtype=torch.float32, device=out.device)
     ws = gemm_workspace(ops.device, slot_for_kind(ops.kind))
     setup = setup_workspace(ops.device, g)
-    ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member, b_scale,
-                               b_scale_member, target, a.padded_row_offsets, g, n, k,
-                               1.0 if accumulate else 0.0, setup, ws)
+    width, cluster = ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member,
+                                                b_scale, b_scale_member, target, a.padded_row_offsets, g, n, k,
+                                                1.0 if accumulate else 0.0, setup, ws, *_fp8_config)
+    if ops.fp8:
+        key = fp8_kernel_key(width, cluster)
+        CALLS[key] = CALLS.get(key, 0) + 1
     if target is not out:
         out.copy_(target)
 

@@ -1,0 +1,97 @@
+// lpmoe's own FP8 block-scaled grouped GEMM (fprop / dgrad: 1x128 token
+// operand x 128x128 weights -> bf16): parameters, shared-memory plan and
+// launchers.  Plain C++ header: the binding's dispatcher includes it; the
+// kernel is in kernel_1x128_128x128.cuh, one translation unit per tile width.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gemm/grouped_gemm.h"
+
+namespace lpmoe {
+namespace fp8_gemm {
+
+constexpr int kBlockK = 128;        // K per pipeline stage: one scale block
+constexpr int kRowBytes = kBlockK;  // FP8 operand rows in shared memory
+
+struct BlockScaledParams {
+  const int64_t* row = nullptr;   // G+1 token prefix sums
+  const int64_t* pad4 = nullptr;  // G+1 prefix sums of round_up(M_t, 4)
+  int num_groups = 0;
+  int n_cols = 0;  // output columns: N (fprop) or K (dgrad)
+  int k_red = 0;   // contraction: K (fprop) or N (dgrad)
+  // A's 1x128 scales: member t at ceil(k_red/128) * pad4[t], laid out
+  // (ceil(k_red/128), round_up(M_t, 4)) (M-major).
+  const float* a_scale = nullptr;
+  // B's 128x128 scales: member t at t * b_scale_member, laid out
+  // (ceil(k_red/128), b_scale_ld) with b_scale_ld = round_up(ceil(n_cols/128), 4).
+  const float* b_scale = nullptr;
+  int64_t b_scale_member = 0;
+  int b_scale_ld = 0;
+  void* d = nullptr;  // bf16 (rows, n_cols) row-major
+};
+
+constexpr int kBlockM = 128;  // token rows per CTA tile (two math warpgroups x 64)
+constexpr int kMaxKBlocks = 256;  // contraction up to 32768 (B scales of a tile live in shared memory)
+constexpr int kBandTiles = 8;
+constexpr int kSmemLimit = 232448;  // sm_90 opt-in dynamic shared memory per block
+
+template <int BlockN>
+struct BlockScaledLayout {
+  static_assert(BlockN % 16 == 0 && BlockN <= 256, "wgmma N");
+  // A tile starting at a multiple of BlockN spans at most two 128-column
+  // weight-scale blocks: the largest start offset inside a block is
+  // 128 - gcd(BlockN, 128).
+  static constexpr int gcd128(int a) { return a % 128 == 0 ? 128 : (a % 64 == 0 ? 64 : (a % 32 == 0 ? 32 : 16)); }
+  static_assert(128 - gcd128(BlockN) + BlockN <= 256, "tile would span three 128-column scale blocks");
+  static constexpr int kABytes = kBlockM * kRowBytes;
+  static constexpr int kBBytes = BlockN * kRowBytes;
+  static constexpr int kStageBytes = kABytes + kBBytes;         // TMA tiles
+  static constexpr int kAScaleStageBytes = kBlockM * 4;         // A's scales per stage
+  static constexpr int kBScaleBytes = 2 * 2 * kMaxKBlocks * 4;  // per math warpgroup: two scale blocks
+  // Reserve 1 KB alignment slack, the B scales, and 8 KB for barriers and the
+  // scheduler's tile table; the rest is pipeline stages.
+  static constexpr int kStages = (kSmemLimit - 1024 - kBScaleBytes - 8192) / (kStageBytes + kAScaleStageBytes);
+  static_assert(kStages >= 3, "too few stages");
+  static constexpr int kAScaleOffset = kStages * kStageBytes;
+  static constexpr int kBScaleOffset = kAScaleOffset + kStages * kAScaleStageBytes;
+  static constexpr int kBarOffset = kBScaleOffset + kBScaleBytes;
+  static constexpr int kTableOffset = kBarOffset + 2 * kStages * 8;
+  // The scheduler's table: 12 bytes per group (tile_scheduler.cuh).
+  static constexpr size_t smem_bytes(int groups) { return 1024 + kTableOffset + 4 * (3 * size_t(groups) + 2); }
+  static constexpr int max_groups() { return ((kSmemLimit - 1024 - kTableOffset) / 4 - 2) / 3; }
+};
+
+// Configurations this build instantiates (one translation unit each): tile
+// widths, and clusters of 1 or 2 CTAs along M (2: the B tile is multicast).
+constexpr int kBlockNs[] = {128, 160, 192};
+constexpr int kClusters[] = {1, 2};
+
+struct BlockScaledConfig {
+  int block_n = 0;  // 0: the heuristic's choice; -1 (heuristic's answer): the CUTLASS kernel
+  int cluster = 0;  // 0: the heuristic's choice
+};
+
+// Launches one configuration (block_scaled_n<N>.cu); `grid` is a multiple
+// of Cluster.  The B map's box is BlockN / Cluster rows.
+template <int BlockN, int Cluster>
+cudaError_t launch_block_scaled(const CUtensorMap& a, const CUtensorMap& b, const BlockScaledParams& p, int grid,
+                                cudaStream_t stream);
+
+// Whether the configuration exists and the group table fits its shared
+// memory (values 0 = any).
+bool block_scaled_supports(BlockScaledConfig cfg, int num_groups);
+
+// fprop / dgrad with the given configuration (zeros filled in by the
+// heuristic, heuristics.h; cudaErrorNotSupported when the heuristic picks
+// the CUTLASS kernel or the call does not fit this kernel).  `a_rows` = rows of the token operand buffer
+// (TMA bounds).  *ran = the configuration that ran ({0, 0} if none).
+cudaError_t run_block_scaled(const gemm::GroupedGemmArgs& args, int64_t a_rows, BlockScaledConfig cfg,
+                             BlockScaledConfig* ran);
+
+}  // namespace fp8_gemm
+}  // namespace lpmoe

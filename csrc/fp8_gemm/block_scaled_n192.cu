@@ -1,0 +1,7 @@
+#include "fp8_gemm/launch.cuh"
+
+namespace lpmoe {
+namespace fp8_gemm {
+LPMOE_INSTANTIATE_BLOCK_SCALED(192)
+}  // namespace fp8_gemm
+}  // namespace lpmoe

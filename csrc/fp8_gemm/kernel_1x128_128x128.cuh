@@ -1,0 +1,258 @@
+// FP8 block-scaled grouped GEMM for fprop and dgrad: A = token rows, 1x128
+// scaled (one fp32 scale per row per 128 of K); B = the expert's weight,
+// 128x128 scaled; D = bf16 token rows.  Both operands are K-major.
+//
+//   D[r, c] = sum_kb  sA[r, kb] * sB[c/128, kb] * sum_{k in kb} A[r, k] B[c, k]
+//
+// Design (Hopper, one CTA per SM, persistent):
+// * warpgroup 2 is the producer: one thread streams A (128 x 128) and B
+//   (BlockN x 128) tiles of each K-block through a Stages-deep ring with TMA
+//   (one 2-D map over all token rows, one 3-D map over the experts' weights,
+//   so no per-group descriptors exist and nothing is built per launch on the
+//   device).
+// * Cluster = 2: the two CTAs of a cluster take adjacent 128-row tiles of the
+//   same group and weight columns; each loads half of the B tile and
+//   multicasts it to both, so a CTA pulls 16 + BlockN*64 bytes of L2 per
+//   K-row instead of 16 + BlockN*128 (without it the kernel is L2-bandwidth
+//   bound: measured TFLOP/s tracked bytes per FLOP across tile widths).  A
+//   stage is reused only when the consumers of *both* CTAs released it (each
+//   math warp arrives on both CTAs' empty barriers).
+// * warpgroups 0 and 1 each own 64 rows of the 128-row tile.  Per K-block a
+//   warpgroup issues four 64 x BlockN x 32 wgmmas into a scratch accumulator,
+//   then promotes it into the fp32 result with the two scales (scale products
+//   in registers, the next K-block's scales already loaded from L2 while the
+//   wgmmas ran).  One warpgroup's promotion overlaps the other's wgmmas.
+// * BlockN need not divide 128: a tile spans at most two 128-column weight
+//   blocks (static_assert below), and each 8-column fragment picks its scale.
+// * Epilogue: masked bf16 stores straight from registers: rows past the
+//   group's M_t belong to the next group (the 2-D A map reads through group
+//   boundaries; those rows are computed and dropped), columns past N are
+//   TMA zero fill.  The producer is already loading the next tile meanwhile.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "fp8_gemm/block_scaled.h"
+#include "fp8_gemm/sm90_primitives.cuh"
+#include "fp8_gemm/tile_scheduler.cuh"
+
+namespace lpmoe {
+namespace fp8_gemm {
+
+constexpr int kProducerRegs = 56;
+constexpr int kMathRegs = 224;
+
+// res += acc * scale, per 8-column fragment j: rows r / r+8 take s?0 before
+// tile column Split (first column of the second weight-scale block) and s?1
+// from it on.  Split is a template argument so the choice costs nothing.
+template <int BlockN, int Split>
+__device__ __forceinline__ void promote(float* res, const float* acc, float s00, float s01, float s10, float s11) {
+#pragma unroll
+  for (int j = 0; j < BlockN / 8; ++j) {
+    const float x0 = 8 * j >= Split ? s01 : s00;
+    const float x1 = 8 * j >= Split ? s11 : s10;
+    res[4 * j + 0] = fmaf(acc[4 * j + 0], x0, res[4 * j + 0]);
+    res[4 * j + 1] = fmaf(acc[4 * j + 1], x0, res[4 * j + 1]);
+    res[4 * j + 2] = fmaf(acc[4 * j + 2], x1, res[4 * j + 2]);
+    res[4 * j + 3] = fmaf(acc[4 * j + 3], x1, res[4 * j + 3]);
+  }
+}
+
+// The runtime split of a tile (128 - n0 % 128) is one of 128, 128 - G, ...,
+// G with G = gcd(BlockN, 128): one promote instantiation per value.
+template <int BlockN, int Split = 128>
+__device__ __forceinline__ void promote_dispatch(int split, float* res, const float* acc, float s00, float s01,
+                                                 float s10, float s11) {
+  constexpr int kStep = BlockScaledLayout<BlockN>::gcd128(BlockN);
+  if constexpr (Split - kStep <= 0) {
+    promote<BlockN, Split>(res, acc, s00, s01, s10, s11);
+  } else {
+    if (split == Split) {
+      promote<BlockN, Split>(res, acc, s00, s01, s10, s11);
+    } else {
+      promote_dispatch<BlockN, Split - kStep>(split, res, acc, s00, s01, s10, s11);
+    }
+  }
+}
+
+// The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue.
+template <int BlockN, int Cluster, class Sched>
+__device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sched, uint8_t* smem, uint64_t* full,
+                                          uint64_t* empty, int rank, int first_tile, int tile_step, int total,
+                                          int nkb) {
+#if LPMOE_SM90A_DEVICE
+  using L = BlockScaledLayout<BlockN>;
+  constexpr int kStages = L::kStages;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int wg = threadIdx.x / 128;
+  cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
+  // wgmma fragment of a 64 x BlockN tile: thread (warp w, lane l) holds rows
+  // 16w + l/4 and +8, columns 8j + 2(l%4) + {0,1}: acc[4j + {0,1}] row r,
+  // acc[4j + {2,3}] row r+8.
+  const int w_in_wg = warp % 4;
+  const int row_in_tile = wg * 64 + w_in_wg * 16 + lane / 4;
+  const int col_in_frag = 2 * (lane % 4);
+  const int b_blocks = (p.n_cols + 127) / 128;
+  float acc[BlockN / 2];
+  float res[BlockN / 2];
+  // This warpgroup's copy of the tile's B scales: [0, nkb) block nb_lo,
+  // [nkb, 2 nkb) block nb_hi (a private copy: only a warpgroup barrier).
+  float* sb = reinterpret_cast<float*>(smem + L::kBScaleOffset) + wg * 2 * kMaxKBlocks;
+  const int tid_wg = threadIdx.x % 128;
+  RingPos<kStages> pos;
+  for (int tile = first_tile; tile < total; tile += tile_step) {
+    const TileCoord c = sched.locate(tile);
+    const int n0 = c.n_block * BlockN;
+    const int m0 = (c.m_block * Cluster + rank) * kBlockM;
+    const float* bs = p.b_scale + int64_t(c.group) * p.b_scale_member;
+    const int nb_lo = n0 / 128;
+    const int nb_hi = min(nb_lo + 1, b_blocks - 1);
+    const int split = 128 - (n0 % 128);  // first tile column of weight block nb_hi
+    cutlass::arch::NamedBarrier::sync(128, 1 + wg);  // the previous tile's readers are done
+    for (int i = tid_wg; i < 2 * nkb; i += 128) {
+      const int kb = i < nkb ? i : i - nkb;
+      sb[i] = __ldg(bs + int64_t(kb) * p.b_scale_ld + (i < nkb ? nb_lo : nb_hi));
+    }
+    cutlass::arch::NamedBarrier::sync(128, 1 + wg);
+#pragma unroll
+    for (int i = 0; i < BlockN / 2; ++i) res[i] = 0.0f;
+
+    for (int kb = 0; kb < nkb; ++kb) {
+      Barrier::wait(&full[pos.stage], pos.phase);
+      const uint8_t* st = smem + pos.stage * L::kStageBytes;
+      // Scales from shared memory, read before the wgmma fence (which would
+      // otherwise wait on the loads).  Rows past the group read stale values
+      // and are dropped by the epilogue.
+      const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + pos.stage * kBlockM;
+      const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
+      const float sb0 = sb[kb], sb1 = sb[nkb + kb];
+      const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
+      const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
+#pragma unroll
+      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < kBlockK / kWgmmaK; ++ks) wgmma_fp8<BlockN>(advance_k(da, ks), advance_k(db, ks), acc, ks > 0);
+      cute::warpgroup_commit_batch();
+#pragma unroll
+      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      // This warp's wgmmas have read the stage: hand it back to the producer.
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < Cluster; ++r) {
+          if constexpr (Cluster == 1) {
+            Barrier::arrive(&empty[pos.stage]);
+          } else {
+            Barrier::arrive(&empty[pos.stage], r, 1u);
+          }
+        }
+      }
+      promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
+      pos.next();
+    }
+
+    const int r0 = m0 + row_in_tile;
+    __nv_bfloat16* d0 = static_cast<__nv_bfloat16*>(p.d) + (int64_t(c.row0) + r0) * p.n_cols;
+    __nv_bfloat16* d1 = d0 + 8 * int64_t(p.n_cols);
+    const bool ok0 = r0 < c.rows, ok1 = r0 + 8 < c.rows;
+#pragma unroll
+    for (int j = 0; j < BlockN / 8; ++j) {
+      const int col = n0 + 8 * j + col_in_frag;
+      if (col < p.n_cols) {
+        if (ok0) *reinterpret_cast<__nv_bfloat162*>(d0 + col) = __floats2bfloat162_rn(res[4 * j], res[4 * j + 1]);
+        if (ok1) *reinterpret_cast<__nv_bfloat162*>(d1 + col) = __floats2bfloat162_rn(res[4 * j + 2], res[4 * j + 3]);
+      }
+    }
+  }
+#endif
+}
+
+template <int BlockN, int Cluster>
+__global__ void __launch_bounds__(384, 1)
+    fp8_block_scaled_grouped_kernel(const __grid_constant__ CUtensorMap tma_a,
+                                    const __grid_constant__ CUtensorMap tma_b, const BlockScaledParams p) {
+#if LPMOE_SM90A_DEVICE
+  using L = BlockScaledLayout<BlockN>;
+  constexpr int kStages = L::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (cute::cast_smem_ptr_to_uint(smem_raw) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarOffset);
+  uint64_t* empty = full + kStages;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int wg = threadIdx.x / 128;
+
+  static_assert(Cluster == 1 || Cluster == 2, "cluster of 1 or 2 CTAs along M");
+  const int rank = Cluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
+  // The scheduler hands out cluster tiles of Cluster x 128 rows.
+  GroupedTileScheduler<kBlockM * Cluster, kBandTiles> sched{p.row, p.pad4, p.num_groups, (p.n_cols + BlockN - 1) / BlockN,
+                                                  reinterpret_cast<int*>(smem + L::kTableOffset)};
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], 1);      // the producer's arrive + TMA bytes
+      Barrier::init(&empty[s], 8 * Cluster);  // one arrive per math warp of each CTA
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  sched.build(warp, lane);  // ends with __syncthreads: barriers are initialised too
+  if constexpr (Cluster > 1) cute::cluster_sync();  // partner's barriers exist before any multicast
+  const int nkb = (p.k_red + kBlockK - 1) / kBlockK;
+  const int total = sched.total_tiles();
+  const int first_tile = blockIdx.x / Cluster;
+  const int tile_step = gridDim.x / Cluster;
+
+  if (wg == 2) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == 256) {
+      cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tma_a));
+      cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tma_b));
+      constexpr int kBRows = BlockN / Cluster;  // B rows this CTA loads (and multicasts)
+      RingPos<kStages> pos;
+      for (int tile = first_tile; tile < total; tile += tile_step) {
+        const TileCoord c = sched.locate(tile);
+        const int m0 = (c.m_block * Cluster + rank) * kBlockM;
+        const int a_row = c.row0 + m0;
+        const int b_row = c.n_block * BlockN + rank * kBRows;
+        // This CTA's rows of the group's 1x128 scales, (nkb, round_up(M_t, 4))
+        // M-major: one contiguous run per K-block, whole 16-byte units inside
+        // the group's padded block (none when the tile is past the group).
+        const int tile_rows = max(0, min(kBlockM, c.rows - m0));
+        const uint32_t sa_bytes = static_cast<uint32_t>((tile_rows + 3) / 4 * 16);
+        const int64_t a_ld = (c.rows + 3) / 4 * 4;
+        const float* as = p.a_scale + int64_t(nkb) * c.pad4_0 + m0;
+        for (int kb = 0; kb < nkb; ++kb) {
+          Barrier::wait(&empty[pos.stage], pos.phase ^ 1u);
+          uint8_t* st = smem + pos.stage * L::kStageBytes;
+          TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);
+          tma_load_2d(&tma_a, &full[pos.stage], st, kb * kBlockK, a_row);
+          if (sa_bytes != 0) {
+            bulk_load(&full[pos.stage], smem + L::kAScaleOffset + pos.stage * kBlockM * 4, as + kb * a_ld, sa_bytes);
+          }
+          uint8_t* sb = st + L::kABytes + rank * kBRows * kRowBytes;
+          if constexpr (Cluster == 1) {
+            tma_load_3d(&tma_b, &full[pos.stage], sb, kb * kBlockK, b_row, c.group);
+          } else {
+            tma_load_3d_multicast(&tma_b, &full[pos.stage], (1u << Cluster) - 1u, sb, kb * kBlockK, b_row, c.group);
+          }
+          pos.next();
+        }
+      }
+    }
+  } else {
+    math_loop<BlockN, Cluster>(p, sched, smem, full, empty, rank, first_tile, tile_step, total, nkb);
+  }
+  // No CTA leaves while its partner may still multicast into it or arrive on
+  // its barriers.
+  if constexpr (Cluster > 1) cute::cluster_sync();
+#else
+  __trap();  // built without sm_90a code: fail loudly rather than return nothing
+#endif
+}
+
+}  // namespace fp8_gemm
+}  // namespace lpmoe
