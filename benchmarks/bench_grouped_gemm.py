@@ -5,8 +5,13 @@
   torch fp8  torch._scaled_grouped_mm, FP8 rowwise scales (fprop only: its closest analogue)
   bf16 grp   lpmoe grouped backend, bf16
   torch bf16 torch._grouped_mm, bf16
+  DeepGEMM   peer: DeepGEMM's Hopper FP8 grouped-contiguous GEMM (1x128 x 128x128
+             scales; fprop, and dgrad through the weights' transposed copy), from
+             the git-ignored .peers/DeepGEMM (benchmarks/_deepgemm_peer.py); "-"
+             when that folder is absent or its JIT fails
 
-FLOPs = 2 * sum(M_t) * N * K per product.  Quantization is not timed (the
+FLOPs = 2 * sum(M_t) * N * K per product (DeepGEMM pads each group to 128
+rows; the padding is not counted).  Quantization is not timed (the
 operands are quantized once).  Routing: uniform, or skewed (half of the
 tokens to one expert, the rest spread evenly), all splits multiples of 128
 (torch's grouped kernels need 16-aligned groups).
@@ -18,7 +23,11 @@ import torch
 import lpmoe
 from lpmoe import Float8BlockQuantizer, GroupedTensor
 
+import _deepgemm_peer as dgp
 from _common import median_ms, parser, splits_for, write_summary
+
+DG = "DeepGEMM"
+DG_GRAPH = False  # --deepgemm-graph: time DeepGEMM as a CUDA graph replay
 
 Q1 = Float8BlockQuantizer(block_dim=1)
 Q2 = Float8BlockQuantizer(block_dim=2)
@@ -68,6 +77,25 @@ def safe(fn):
         return float("nan")
 
 
+def time_deepgemm(kind, splits, a, w):
+    """(ms, useful FLOPs) of DeepGEMM's fprop (a = x) or dgrad (a = dy); ms is nan
+    when the column is off.  Its operands are built (padded, quantized) untimed."""
+    if not dgp.available():
+        return float("nan"), 0.0
+    try:
+        fn, flops = (dgp.fprop if kind == "fprop" else dgp.dgrad)(splits, a, w, graph=DG_GRAPH)
+    except Exception as exc:
+        print(f"    (DeepGEMM skipped: {type(exc).__name__}: {str(exc)[:100]})")
+        return float("nan"), 0.0
+    ms = safe(fn)
+    del fn
+    return ms, flops
+
+
+def cell(key, v):
+    return f"{key} {v:7.1f}" if v == v or key != DG else f"{key} {'-':>7s}"
+
+
 def run_case(name, k, n, g, tokens, skewed, kinds):
     splits = splits_for(g, tokens, skewed)
     rows = sum(splits)
@@ -96,13 +124,18 @@ def run_case(name, k, n, g, tokens, skewed, kinds):
         else:
             res["torch bf16"] = safe(lambda: torch._grouped_mm(dy.t(), x, offs=offs))
         tf = {key: tflops(flops, ms) for key, ms in res.items()}
+        if kind in ("fprop", "dgrad"):  # DeepGEMM: useful FLOPs of its padded layout
+            dg_ms, dg_flops = time_deepgemm(kind, splits, x if kind == "fprop" else dy, w)
+            tf[DG] = tflops(dg_flops, dg_ms)
         out[kind] = tf
         route = "skew" if skewed else "unif"
-        cells = "  ".join(f"{key} {v:7.1f}" for key, v in tf.items())
+        cells = "  ".join(cell(key, v) for key, v in tf.items())
         ratio_fp8 = tf["fp8 grp"] / tf["fp8 cublas"]
         ratio_bf16 = tf["bf16 grp"] / tf["torch bf16"]
+        dg_tf = tf.get(DG, float("nan"))
+        ratio_dg = f" fp8 grp/DeepGEMM {tf['fp8 grp'] / dg_tf:5.2f}" if dg_tf == dg_tf else ""
         print(f"{name:11s} g={g:2d} tok={tokens:6d} {route} {kind:5s} | {cells} | fp8 grp/cublas {ratio_fp8:5.2f} "
-              f"bf16 grp/torch {ratio_bf16:5.2f}", flush=True)
+              f"bf16 grp/torch {ratio_bf16:5.2f}{ratio_dg}", flush=True)
     return out
 
 
@@ -139,12 +172,52 @@ def sweep(variants, kinds=("fprop", "dgrad", "wgrad"), out_dtype=None):
             print(f"sweep {name:10s} g={g:2d} tok={tokens:6d} {kind:5s} | " + " | ".join(cells), flush=True)
 
 
+def setup_deepgemm(args, cases):
+    """Load the DeepGEMM peer, JIT-build its kernels for this run's products ahead
+    (parallel nvcc), and check one small case against a dequantized reference.
+    Any failure turns the column off with a one-line note."""
+    global DG_GRAPH
+    DG_GRAPH = args.deepgemm_graph
+    if args.no_deepgemm:
+        dgp.disable("--no-deepgemm")
+    if not dgp.available():
+        print(f"DeepGEMM column skipped: {dgp.reason()}")
+        return
+    jobs = [(splits_for(8, 8 * 4096, False), 7168, 4096)]
+    for name, g, tokens, skewed in cases:
+        k, n = next((k, n) for s, k, n in SHAPES if s == name)
+        splits = splits_for(g, tokens, skewed)
+        jobs += [(splits, k, n), (splits, n, k)]  # fprop (K, N); dgrad (N, K)
+    try:
+        count, errors, secs = dgp.precompile(jobs + dgp.check_jobs())
+        for e in errors:
+            print(f"    (DeepGEMM JIT failed: {e})")
+        errs = dgp.check()
+    except Exception as exc:
+        dgp.disable(f"{type(exc).__name__}: {str(exc)[:200]}")
+        print(f"DeepGEMM column skipped: {dgp.reason()}")
+        return
+    bad = [k for k, v in errs.items() if not v <= dgp.CHECK_TOL]
+    status = "ok" if not bad else "FAILED"
+    print(f"{dgp.describe()}: {count} kernels JIT-built in {secs:.0f} s; check vs dequantized reference {status} "
+          f"(rel err {', '.join(f'{k} {v:.1e}' for k, v in errs.items())})"
+          + ("; timed as CUDA graph replays" if DG_GRAPH else ""))
+    if bad:
+        dgp.disable(f"its output failed the check ({', '.join(bad)})")
+        print(f"DeepGEMM column skipped: {dgp.reason()}")
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--sweep", default=None, help="comma-separated LPMOE_GEMM_VARIANT names ('' = default)")
     p.add_argument("--kinds", default="fprop,dgrad,wgrad", help="GEMM kinds of --sweep")
     p.add_argument("--fp32-out", action="store_true", help="--sweep with fp32 outputs (wgrad)")
+    p.add_argument("--no-deepgemm", action="store_true", help="leave the DeepGEMM peer column empty")
+    p.add_argument("--deepgemm-graph", action="store_true",
+                   help="time DeepGEMM as a CUDA graph replay (no per-call Python launch cost)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_grouped_gemm: no CUDA device, nothing to time")
     if args.sweep is not None:
         sweep(args.sweep.split(","), args.kinds.split(","), torch.float32 if args.fp32_out else None)
         return
@@ -156,17 +229,22 @@ def main():
              ("dsv3-up", 32, 65536, False), ("qwen3-up", 64, 4096, False)]
     if args.quick:
         cases = cases[:2]
+    setup_deepgemm(args, cases)
     # the anchor case of the issue: 8 groups x 4096 tokens, K 7168, N 4096 (fprop)
     anchor = run_case("dsv3-up", 7168, 4096, 8, 8 * 4096, False, ["fprop"])
     rows.append(("gemm anchor 8x4096 K7168 N4096 fprop fp8 grp TF",
                  f"{anchor['fprop']['fp8 grp']:.0f} (cublas loop {anchor['fprop']['fp8 cublas']:.0f})"))
-    worst_fp8, worst_bf16 = [], []
+    if anchor["fprop"][DG] == anchor["fprop"][DG]:
+        rows.append(("gemm anchor fprop DeepGEMM TF", f"{anchor['fprop'][DG]:.0f}"))
+    worst_fp8, worst_bf16, vs_dg = [], [], []
     for name, g, tokens, skewed in cases:
         k, n = next((k, n) for s, k, n in SHAPES if s == name)
         res = run_case(name, k, n, g, tokens, skewed, ["fprop", "dgrad", "wgrad"])
         for kind, tf in res.items():
             worst_fp8.append((tf["fp8 grp"] / tf["fp8 cublas"], f"{name} g{g} {kind}"))
             worst_bf16.append((tf["bf16 grp"] / tf["torch bf16"], f"{name} g{g} {kind}"))
+            if DG in tf:
+                vs_dg.append((tf["fp8 grp"] / tf[DG], f"{name} g{g} {kind}"))
     worst_fp8 = [w for w in worst_fp8 if w[0] == w[0]]
     worst_bf16 = [w for w in worst_bf16 if w[0] == w[0]]
     if worst_fp8:
@@ -177,6 +255,11 @@ def main():
         lo = min(worst_bf16)
         rows.append(("gemm bf16 grp/torch min (median)",
                      f"{lo[0]:.2f} at {lo[1]} ({sorted(r for r, _ in worst_bf16)[len(worst_bf16) // 2]:.2f})"))
+    vs_dg = [w for w in vs_dg if w[0] == w[0]]
+    if vs_dg:
+        lo = min(vs_dg)
+        rows.append(("gemm fp8 grp/DeepGEMM min (median)",
+                     f"{lo[0]:.2f} at {lo[1]} ({sorted(r for r, _ in vs_dg)[len(vs_dg) // 2]:.2f})"))
     write_summary(args.summary, rows)
 
 

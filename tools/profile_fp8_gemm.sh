@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Nsight Compute view of the FP8 block-scaled fprop at the anchor shape
+# (8 experts x 4096 tokens, K 7168, N 4096): lpmoe's kernel (each
+# configuration in FP8_CONFIGS, "width,cluster"), the CUTLASS kernel, and
+# DeepGEMM's when .peers/DeepGEMM is present.  GPU machine, built lpmoe.
+#   FP8_CONFIGS="192,1 128,1" bash tools/profile_fp8_gemm.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/lpmoe_out}"; mkdir -p "$OUT"
+CONFIGS="${FP8_CONFIGS:-192,1 -1,0}"
+SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis"
+cat > /tmp/lpmoe_fp8_prof.py <<'PY'
+import sys, torch, lpmoe
+from lpmoe import Float8BlockQuantizer as Q
+from lpmoe.gemm import fp8_kernel_config
+width, cluster = (int(v) for v in sys.argv[1].split(","))
+g, k, n, m = 8, 7168, 4096, 4096
+first = torch.tensor([m] * g, device="cuda")
+x = torch.randn(g * m, k, device="cuda").bfloat16()
+w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
+xq = lpmoe.group_quantize(x, Q(block_dim=1), num_tensors=g, first_dims=first)
+wq = lpmoe.group_quantize(w.view(g * n, k), Q(block_dim=2), num_tensors=g)
+with fp8_kernel_config(width, cluster):
+    for _ in range(3):  # the third call is profiled
+        lpmoe.grouped_gemm(xq, wq, kind="fprop", backend="grouped")
+torch.cuda.synchronize()
+PY
+keep='Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Stall|Tensor|Registers|L1/TEX Hit|L2 Hit|smsp__pcsamp'
+for cfg in $CONFIGS; do
+  echo "== lpmoe fprop config $cfg"
+  regex='fp8_block_scaled'; [ "${cfg%%,*}" = "-1" ] && regex='device_kernel'
+  PYTHONPATH=python ncu $SECTIONS -k regex:"$regex" --launch-skip 2 --launch-count 1 \
+    python3 /tmp/lpmoe_fp8_prof.py "$cfg" > "$OUT/ncu_fp8_$cfg.txt" 2>&1
+  grep -E "$keep" "$OUT/ncu_fp8_$cfg.txt" | cut -c1-130 | head -40
+done
+if [ -d .peers/DeepGEMM ]; then
+  echo "== DeepGEMM fprop (anchor)"
+  ncu $SECTIONS -k regex:"fp8_gemm" --launch-skip 10 --launch-count 1 \
+    python3 benchmarks/_deepgemm_peer.py --time > "$OUT/ncu_fp8_deepgemm.txt" 2>&1
+  grep -E "$keep" "$OUT/ncu_fp8_deepgemm.txt" | cut -c1-130 | head -40
+fi
