@@ -133,7 +133,9 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
       for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
       cute::warpgroup_arrive();
 #pragma unroll
-      for (int ks = 0; ks < kBlockK / kWgmmaK; ++ks) wgmma_fp8<BlockN>(advance_k(da, ks), advance_k(db, ks), acc, ks > 0);
+      for (int ks = 0; ks < kBlockK / kWgmmaK; ++ks) {
+        wgmma_fp8<BlockN>(advance_k(da, ks), advance_k(db, ks), acc, ks > 0);
+      }
       cute::warpgroup_commit_batch();
 #pragma unroll
       for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -190,8 +192,9 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(Cluster == 1 || Cluster == 2, "cluster of 1 or 2 CTAs along M");
   const int rank = Cluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
   // The scheduler hands out cluster tiles of Cluster x 128 rows.
-  GroupedTileScheduler<kBlockM * Cluster, kBandTiles> sched{p.row, p.pad4, p.num_groups, (p.n_cols + BlockN - 1) / BlockN,
-                                                  reinterpret_cast<int*>(smem + L::kTableOffset)};
+  GroupedTileScheduler<kBlockM * Cluster, kBandTiles> sched{p.row, p.pad4, p.num_groups,
+                                                            (p.n_cols + BlockN - 1) / BlockN,
+                                                            reinterpret_cast<int*>(smem + L::kTableOffset)};
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&full[s], 1);      // the producer's arrive + TMA bytes

@@ -11,8 +11,9 @@ namespace fp8_gemm {
 
 // Map over `members` matrices of `rows` rows x `k` bytes, rows `row_stride`
 // bytes apart and members `member_stride` bytes apart; rank 2 (members and
-// member_stride ignored: one matrix) or 3 (coordinates k, row, member), read as (128-byte x box_rows) boxes with 128-byte swizzle and zero
-// fill outside the bounds.  Returns false (map untouched) when the driver
+// member_stride ignored: one matrix) or 3 (coordinates k, row, member).  It
+// reads (128-byte x box_rows) boxes with 128-byte swizzle and zero fill
+// outside the bounds.  Returns false (map untouched) when the driver
 // rejects the layout (alignment, strides) or has no TMA.
 bool encode_kmajor_fp8_map(CUtensorMap* map, int rank, const void* base, uint64_t k, uint64_t rows, uint64_t row_stride,
                            uint64_t members, uint64_t member_stride, uint32_t box_rows);
