@@ -66,10 +66,9 @@ struct BlockScaledLayout {
   static constexpr int max_groups() { return ((kSmemLimit - 1024 - kTableOffset) / 4 - 2) / 3; }
 };
 
-// Configurations this build instantiates (one translation unit each): tile
-// widths, and clusters of 1 or 2 CTAs along M (2: the B tile is multicast).
+// Tile widths this build instantiates (one translation unit each, with
+// clusters of 1 and 2 CTAs along M; 2: the B tile is multicast).
 constexpr int kBlockNs[] = {128, 160, 192};
-constexpr int kClusters[] = {1, 2};
 
 struct BlockScaledConfig {
   int block_n = 0;  // 0: the heuristic's choice; -1 (heuristic's answer): the CUTLASS kernel

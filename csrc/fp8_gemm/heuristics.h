@@ -40,17 +40,16 @@ inline int choose_block_n(int64_t a_rows, int num_groups, int64_t n_cols, int sm
   return best;
 }
 
-// Cluster of 2 (B multicast) once groups hold enough rows that the second
-// CTA's tile is rarely empty: with a pair of 128-row tiles per cluster tile a
-// group of M_t rows wastes up to 255 rows instead of 127.
-constexpr int64_t kClusterMinRowsPerGroup = 512;
-
 // lpmoe's kernel is chosen only where it measured faster than the CUTLASS
-// kernel (benchmarks/bench_fp8_kernel_configs.py, H100, docs/gemm-notes.md):
-// groups of at most this many rows on average (64-token groups: 1.02-1.07x).
+// kernel (benchmarks/bench_fp8_kernel_configs.py, H100,
+// docs/fp8-gemm-kernel-notes.md): groups of at most this many rows on average
+// (64-token groups: 1.02-1.08x).
 // On larger groups CUTLASS's 128x128 tile with a 1x2 cluster stays 5-15 %
 // ahead of every configuration here, so the heuristic returns block_n = -1
-// (run CUTLASS) there.
+// (run CUTLASS) there.  Clusters of 2 (B multicast) gave no consistent gain
+// (within +-10 % of cluster 1 either way, on large groups only) and lose on
+// 64-token groups (paired tiles half empty, 0.76-0.81x): the heuristic uses
+// cluster 1; cluster 2 stays for pinned configurations.
 constexpr int64_t kOwnKernelMaxRowsPerGroup = 128;
 
 inline BlockScaledConfig choose_config(int64_t a_rows, int num_groups, int64_t n_cols, int sm_count) {
@@ -59,7 +58,7 @@ inline BlockScaledConfig choose_config(int64_t a_rows, int num_groups, int64_t n
     c.block_n = -1;
     return c;
   }
-  c.cluster = a_rows >= kClusterMinRowsPerGroup * num_groups ? 2 : 1;
+  c.cluster = 1;
   c.block_n = choose_block_n(a_rows, num_groups, n_cols, sm_count);
   return c;
 }

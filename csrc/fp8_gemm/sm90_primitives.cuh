@@ -54,7 +54,7 @@ __device__ __forceinline__ uint64_t advance_k(uint64_t desc, int k_step) {
 }
 
 // The FP8 (E4M3 x E4M3 -> fp32) wgmma of a 64 x N tile, both operands from
-// shared memory.  N is a tile width this library instantiates.
+// shared memory.  N is a tile width this library instantiates (kBlockNs).
 template <int N>
 struct Fp8Wgmma;
 #define LPMOE_FP8_WGMMA(N)                                                       \
@@ -62,10 +62,7 @@ struct Fp8Wgmma;
   struct Fp8Wgmma<N> {                                                            \
     using Op = cute::SM90::GMMA::MMA_64x##N##x32_F32E4M3E4M3_SS_TN<>;             \
   };
-LPMOE_FP8_WGMMA(96)
-LPMOE_FP8_WGMMA(112)
 LPMOE_FP8_WGMMA(128)
-LPMOE_FP8_WGMMA(144)
 LPMOE_FP8_WGMMA(160)
 LPMOE_FP8_WGMMA(192)
 #undef LPMOE_FP8_WGMMA
