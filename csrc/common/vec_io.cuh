@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -30,9 +31,17 @@ __device__ __forceinline__ void zero_vec8(RawVec8<IType>& v) {
   for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) v.w[i] = make_uint4(0, 0, 0, 0);
 }
 
+// Element e of v as fp32.  bf16 -> fp32 is exact: the bits move up by 16, so
+// it is written as one shift or one mask per element (the generic conversion
+// spends a byte permute plus a shift on every odd element).
 template <typename IType>
 __device__ __forceinline__ float elem(const RawVec8<IType>& v, int e) {
-  return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
+  if constexpr (std::is_same_v<IType, __nv_bfloat16>) {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(&v)[e >> 1];
+    return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
+  } else {
+    return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
+  }
 }
 
 // kN (multiple of 8) fp32 values -> OType with round-to-nearest-even, 16-byte stores.
@@ -74,6 +83,21 @@ template <>
 __device__ __forceinline__ uint32_t abs_max2<__half>(uint32_t acc, uint32_t w) {
   const __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&acc), __habs2(*reinterpret_cast<const __half2*>(&w)));
   return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// max per 16-bit half of two packed pairs of non-negative bf16 / fp16 values.
+template <typename IType>
+__device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b) {
+  using Pair = std::conditional_t<std::is_same_v<IType, __half>, __half2, __nv_bfloat162>;
+  const Pair r = __hmax2(*reinterpret_cast<const Pair*>(&a), *reinterpret_cast<const Pair*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// The low / high value of a packed 16-bit pair as fp32.
+template <typename IType>
+__device__ __forceinline__ float half_to_float(uint32_t w, bool high) {
+  const IType* h = reinterpret_cast<const IType*>(&w);
+  return to_float<IType>(high ? h[1] : h[0]);
 }
 
 template <typename IType>

@@ -45,9 +45,59 @@ struct Smem {
     float red[kWarps][kTile];                  // cross-warp column partials
     __align__(16) uint8_t tposed[kTile * kTile];  // transposed FP8 tile
   };
-  float col_scale[kTile];
+  __align__(16) float col_scale[kTile];
   float tile_amax[kWarps];
 };
+
+// 1x128 row scales: after the half-warp reduction below, lane c holds the
+// amax of its rows' row own_row(c) (each row in two lanes, c and c ^ 2); it
+// computes that row's scale and the half-warp shares the scales by shuffles.
+__device__ __forceinline__ int own_row(int c) { return ((c >> 3) & 1) * 4 + ((c >> 2) & 1) * 2 + (c & 1); }
+__device__ __forceinline__ int lane_of_row(int r) { return ((r >> 2) & 1) * 8 + ((r >> 1) & 1) * 4 + (r & 1); }
+
+// amax of row 8g + own_row(c) of the tile over the 16 lanes of the half-warp
+// (NaN ignored; max is exact, so any order gives the same bits).  16-bit
+// inputs stay packed: two rows per 32-bit word, and each butterfly step
+// sends away the half of the rows the partner keeps (5 shuffles for 8 rows
+// instead of 32).
+template <typename IType>
+__device__ __forceinline__ float half_warp_row_amax(const RawVec8<IType> (&raw)[kRowsPerThread], int c) {
+  if constexpr (sizeof(IType) == 2) {
+    uint32_t q[4];  // q[k]: rows 2k (low half) and 2k + 1 (high half)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t a = 0, b = 0;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        a = abs_max2<IType>(a, word(raw[2 * k], w));
+        b = abs_max2<IType>(b, word(raw[2 * k + 1], w));
+      }
+      q[k] = max2<IType>(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
+    }
+    const bool b8 = (c & 8) != 0;
+    const bool b4 = (c & 4) != 0;
+    uint32_t k0 = b8 ? q[2] : q[0];
+    uint32_t k1 = b8 ? q[3] : q[1];
+    k0 = max2<IType>(k0, __shfl_xor_sync(0xffffffffu, b8 ? q[0] : q[2], 8));
+    k1 = max2<IType>(k1, __shfl_xor_sync(0xffffffffu, b8 ? q[1] : q[3], 8));
+    uint32_t k = b4 ? k1 : k0;
+    k = max2<IType>(k, __shfl_xor_sync(0xffffffffu, b4 ? k0 : k1, 4));
+    k = max2<IType>(k, __shfl_xor_sync(0xffffffffu, k, 2));
+    k = max2<IType>(k, __shfl_xor_sync(0xffffffffu, k, 1));
+    return half_to_float<IType>(k, (c & 1) != 0);
+  } else {
+    float mine = 0.0f;
+    const int own = own_row(c);
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      float a = vec8_amax<IType>(raw[r]);
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+      mine = own == r ? a : mine;
+    }
+    return mine;
+  }
+}
 
 // Lane c's 8 column partials into red_row[8c .. 8c+7] as two 16-byte stores
 // (8 scalar stores at a 32-byte lane stride would be 4-way bank conflicted).
@@ -125,20 +175,12 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const Til
     for (int r = 0; r < kRowsPerThread; ++r) row_scale[r] = tile_scale;
   } else {
     if (args.out_data != nullptr) {
-      // Each row's amax over the 16 lanes of its half-warp; then lane c
-      // computes the scale of row c % 8 only (one IEEE division instead of
-      // eight per lane) and the half-warp shares the scales by shuffles.
-      float mine = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        float a = vec8_amax<IType>(raw[r]);
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-        mine = (c & 7) == r ? a : mine;
-      }
+      // One IEEE division per lane (its own row), then shuffles.
+      const float mine = half_warp_row_amax<IType>(raw, c);
       my_scale = compute_block_scale(mine, fp8_max, args.pow2_scales, args.amax_epsilon, inf_scale);
 #pragma unroll
-      for (int r = 0; r < kRowsPerThread; ++r) row_scale[r] = __shfl_sync(0xffffffffu, my_scale, (lane & 16) | r);
+      for (int r = 0; r < kRowsPerThread; ++r)
+        row_scale[r] = __shfl_sync(0xffffffffu, my_scale, (lane & 16) | lane_of_row(r));
     }
     if (args.out_col_data != nullptr) {
       float a[kVec];
@@ -157,25 +199,24 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const Til
 
   // ---- rowwise data + scales ---------------------------------------------
   if (args.out_data != nullptr) {
-    uint8_t* out = static_cast<uint8_t*>(args.out_data);
+    // This thread's first row; the next rows are K bytes further.
+    uint8_t* out = static_cast<uint8_t*>(args.out_data) + (ti.row0 + g * kRowsPerThread) * K + col0 + c * kVec;
+    const int rows_here = ti.rows_valid - g * kRowsPerThread;  // rows of this thread inside the member
 #pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r) {
-      const int row = g * kRowsPerThread + r;
-      if (col_ok && row < ti.rows_valid) {
-        const float s = row_scale[r];
-        uint2 packed;
-        uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+    for (int r = 0; r < kRowsPerThread; ++r, out += K) {
+      const float s = row_scale[r];
+      uint2 packed;
+      uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
 #pragma unroll
-        for (int e = 0; e < kVec; e += 2) h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), s), __fmul_rn(V(r, e + 1), s));
-        *reinterpret_cast<uint2*>(out + (ti.row0 + row) * K + col0 + c * kVec) = packed;
-      }
+      for (int e = 0; e < kVec; e += 2) h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), s), __fmul_rn(V(r, e + 1), s));
+      if (col_ok && r < rows_here) *reinterpret_cast<uint2*>(out) = packed;
     }
     if constexpr (kBlockDim == 1) {
       // (bX, round_up(M_t,4)) per member; rows in [M_t, round_up(M_t,4)) are 0.
       const int64_t ld = round_up<int64_t>(ti.m, 4);
       float* sc = args.out_scale + bx_count * ti.pad4_start + tile_x * ld;
-      if (c < kRowsPerThread) {  // lane c writes row 8g + c
-        const int row = g * kRowsPerThread + c;
+      if ((c & 2) == 0) {  // one of the two lanes holding row 8g + own_row(c)
+        const int row = g * kRowsPerThread + own_row(c);
         const int64_t lrow = ti.local_tile * kTile + row;
         if (row < ti.rows_valid) sc[lrow] = __fdiv_rn(1.0f, my_scale);
         else if (lrow < ld) sc[lrow] = 0.0f;
@@ -195,10 +236,15 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const Til
   if (args.out_col_data != nullptr) {
     // Stage FP8 bytes transposed: column (8c+e) becomes tile row, its 8
     // values for rows 8g..8g+7 one 8-byte chunk.
+    float cs[kVec];  // this thread's 8 column scales: two 16-byte shared loads
+    if constexpr (kBlockDim == 1) {
+      *reinterpret_cast<float4*>(cs) = reinterpret_cast<const float4*>(col_scale + c * kVec)[0];
+      *reinterpret_cast<float4*>(cs + 4) = reinterpret_cast<const float4*>(col_scale + c * kVec)[1];
+    }
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       const int col = c * kVec + e;
-      const float s = kBlockDim == 2 ? tile_scale : col_scale[col];
+      const float s = kBlockDim == 2 ? tile_scale : cs[e];
       uint2 packed;
       uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
 #pragma unroll
@@ -217,21 +263,38 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const Til
     uint8_t* out = static_cast<uint8_t*>(args.out_col_data) + K * ti.pad128_start +
                    ti.local_tile * kTile;  // pad128_start is 0 for a single tensor
     const bool aligned16 = (pitch % 16) == 0;
-    for (int u = threadIdx.x; u < kTile * (kTile / 16); u += kThreads) {
-      const int col = u >> 3;
-      const int q = u & 7;
-      if (col >= cols_valid) continue;
-      const int tok0 = q * 16;
-      if (tok0 >= tokens) continue;
-      uint4 val;
-      *reinterpret_cast<uint2*>(&val.x) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q));
-      *reinterpret_cast<uint2*>(&val.z) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q + 1));
-      uint8_t* dst = out + (col0 + col) * pitch + tok0;
-      if (aligned16 && tok0 + 16 <= tokens) {
-        *reinterpret_cast<uint4*>(dst) = val;
-      } else {
-        const uint8_t* b = reinterpret_cast<const uint8_t*>(&val);
-        for (int i = 0; i < 16 && tok0 + i < tokens; ++i) dst[i] = b[i];
+    if (aligned16 && tokens == kTile) {
+      // Grouped layout (every member block padded to 128 tokens): thread t
+      // stores 16 tokens (q = t % 8) of columns t / 8 + 32 i, one 16-byte
+      // store each, no byte tail.
+      const int q = threadIdx.x & 7;
+      const int col_first = threadIdx.x >> 3;
+      uint8_t* dst = out + (col0 + col_first) * pitch + q * 16;
+#pragma unroll
+      for (int i = 0; i < kTile * (kTile / 16) / kThreads; ++i, dst += (kThreads / 8) * pitch) {
+        const int col = col_first + i * (kThreads / 8);
+        uint4 val;
+        *reinterpret_cast<uint2*>(&val.x) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q));
+        *reinterpret_cast<uint2*>(&val.z) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q + 1));
+        if (col < cols_valid) *reinterpret_cast<uint4*>(dst) = val;
+      }
+    } else {
+      for (int u = threadIdx.x; u < kTile * (kTile / 16); u += kThreads) {
+        const int col = u >> 3;
+        const int q = u & 7;
+        if (col >= cols_valid) continue;
+        const int tok0 = q * 16;
+        if (tok0 >= tokens) continue;
+        uint4 val;
+        *reinterpret_cast<uint2*>(&val.x) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q));
+        *reinterpret_cast<uint2*>(&val.z) = *reinterpret_cast<const uint2*>(tposed + tile_chunk_offset(col, 2 * q + 1));
+        uint8_t* dst = out + (col0 + col) * pitch + tok0;
+        if (aligned16 && tok0 + 16 <= tokens) {
+          *reinterpret_cast<uint4*>(dst) = val;
+        } else {
+          const uint8_t* b = reinterpret_cast<const uint8_t*>(&val);
+          for (int i = 0; i < 16 && tok0 + i < tokens; ++i) dst[i] = b[i];
+        }
       }
     }
 
