@@ -50,8 +50,9 @@ struct Smem {
 };
 
 // 1x128 row scales: after the half-warp reduction below, lane c holds the
-// amax of its rows' row own_row(c) (each row in two lanes, c and c ^ 2); it
-// computes that row's scale and the half-warp shares the scales by shuffles.
+// amax of tile row 8g + own_row(c) (each row in two lanes, c and c ^ 2); it
+// computes that row's scale, and the half-warp shares the 8 scales by
+// shuffles from lane_of_row(r).
 __device__ __forceinline__ int own_row(int c) { return ((c >> 3) & 1) * 4 + ((c >> 2) & 1) * 2 + (c & 1); }
 __device__ __forceinline__ int lane_of_row(int r) { return ((r >> 2) & 1) * 8 + ((r >> 1) & 1) * 4 + (r & 1); }
 
