@@ -85,14 +85,6 @@ __device__ __forceinline__ uint32_t abs_max2<__half>(uint32_t acc, uint32_t w) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// max per 16-bit half of two packed pairs of non-negative bf16 / fp16 values.
-template <typename IType>
-__device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b) {
-  using Pair = std::conditional_t<std::is_same_v<IType, __half>, __half2, __nv_bfloat162>;
-  const Pair r = __hmax2(*reinterpret_cast<const Pair*>(&a), *reinterpret_cast<const Pair*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
 // The low / high value of a packed 16-bit pair as fp32.
 template <typename IType>
 __device__ __forceinline__ float half_to_float(uint32_t w, bool high) {
@@ -102,8 +94,7 @@ __device__ __forceinline__ float half_to_float(uint32_t w, bool high) {
 
 template <typename IType>
 __device__ __forceinline__ float pair_max(uint32_t w) {
-  const IType* h = reinterpret_cast<const IType*>(&w);
-  return fmaxf(to_float<IType>(h[0]), to_float<IType>(h[1]));
+  return fmaxf(half_to_float<IType>(w, false), half_to_float<IType>(w, true));
 }
 
 // max |x| over the 8 elements of v, NaN ignored (0 when all are NaN).
@@ -135,9 +126,8 @@ __device__ __forceinline__ void column_amax16(const RawVec8<IType> (&raw)[8], fl
 #pragma unroll
       for (int r = 0; r < 8; ++r) m = abs_max2<IType>(m, word(raw[r], k));
       m = abs_max2<IType>(m, __shfl_xor_sync(0xffffffffu, m, 16));  // |m| = m
-      const IType* h = reinterpret_cast<const IType*>(&m);
-      a[2 * k] = to_float<IType>(h[0]);
-      a[2 * k + 1] = to_float<IType>(h[1]);
+      a[2 * k] = half_to_float<IType>(m, false);
+      a[2 * k + 1] = half_to_float<IType>(m, true);
     }
   } else {
 #pragma unroll

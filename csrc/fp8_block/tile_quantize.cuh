@@ -64,6 +64,7 @@ __device__ __forceinline__ int lane_of_row(int r) { return ((r >> 2) & 1) * 8 + 
 template <typename IType>
 __device__ __forceinline__ float half_warp_row_amax(const RawVec8<IType> (&raw)[kRowsPerThread], int c) {
   if constexpr (sizeof(IType) == 2) {
+    // Amaxes are non-negative and NaN-free, so abs_max2 below is a plain max.
     uint32_t q[4];  // q[k]: rows 2k (low half) and 2k + 1 (high half)
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -73,18 +74,18 @@ __device__ __forceinline__ float half_warp_row_amax(const RawVec8<IType> (&raw)[
         a = abs_max2<IType>(a, word(raw[2 * k], w));
         b = abs_max2<IType>(b, word(raw[2 * k + 1], w));
       }
-      q[k] = max2<IType>(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
+      q[k] = abs_max2<IType>(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
     }
     const bool b8 = (c & 8) != 0;
     const bool b4 = (c & 4) != 0;
     uint32_t k0 = b8 ? q[2] : q[0];
     uint32_t k1 = b8 ? q[3] : q[1];
-    k0 = max2<IType>(k0, __shfl_xor_sync(0xffffffffu, b8 ? q[0] : q[2], 8));
-    k1 = max2<IType>(k1, __shfl_xor_sync(0xffffffffu, b8 ? q[1] : q[3], 8));
+    k0 = abs_max2<IType>(k0, __shfl_xor_sync(0xffffffffu, b8 ? q[0] : q[2], 8));
+    k1 = abs_max2<IType>(k1, __shfl_xor_sync(0xffffffffu, b8 ? q[1] : q[3], 8));
     uint32_t k = b4 ? k1 : k0;
-    k = max2<IType>(k, __shfl_xor_sync(0xffffffffu, b4 ? k0 : k1, 4));
-    k = max2<IType>(k, __shfl_xor_sync(0xffffffffu, k, 2));
-    k = max2<IType>(k, __shfl_xor_sync(0xffffffffu, k, 1));
+    k = abs_max2<IType>(k, __shfl_xor_sync(0xffffffffu, b4 ? k0 : k1, 4));
+    k = abs_max2<IType>(k, __shfl_xor_sync(0xffffffffu, k, 2));
+    k = abs_max2<IType>(k, __shfl_xor_sync(0xffffffffu, k, 1));
     return half_to_float<IType>(k, (c & 1) != 0);
   } else {
     float mine = 0.0f;
