@@ -4,6 +4,31 @@ from __future__ import annotations
 
 
 class ValueFields:
+    """Subclasses are immutable after construction; each instance also
+    carries its JSON description (``_spec``, lpmoe.library.specs), written
+    once when the outermost ``__init__`` returns, so traced code
+    (torch.compile) reads a constant string instead of running json."""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        def __init__(self, *args, **kwargs):
+            depth = self.__dict__.get("_init_depth", 0)
+            self.__dict__["_init_depth"] = depth + 1
+            try:
+                init(self, *args, **kwargs)
+            finally:
+                self.__dict__["_init_depth"] = depth
+            if depth == 0:
+                from lpmoe.library.specs import describe
+                self.__dict__["_spec"] = describe(self)
+
+        __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
+        cls.__init__ = __init__
+
     def _fields(self) -> dict:
         raise NotImplementedError
 

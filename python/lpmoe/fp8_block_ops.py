@@ -48,7 +48,8 @@ def check_output(output: GroupedTensor, q: Float8BlockQuantizer, g: GroupedTenso
             raise ValueError(f"output.{name} holds {have} elements, needs {need[name]} for this input")
 
 
-def _alloc(q: Float8BlockQuantizer, g: GroupedTensor) -> GroupedTensor:
+def allocate(q: Float8BlockQuantizer, g: GroupedTensor) -> GroupedTensor:
+    """Uninitialised output buffers for the members of ``g``, carrying g's metadata."""
     rows, k = g.logical_shape
     sizes = capacity_sizes(q, g.num_tensors, rows, k, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
     dev = g.device
@@ -75,7 +76,7 @@ def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None,
         out = output
         adopt_metadata(out, g)
     else:
-        out = _alloc(q, g)
+        out = allocate(q, g)
     tiles = max_row_tiles(g)
     ws = dbias = None
     if with_dbias:

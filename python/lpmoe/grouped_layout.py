@@ -114,3 +114,13 @@ def capacity_sizes(quantizer: Optional[Quantizer], num_tensors: int, rows: int, 
         sizes["amax"] = n
         return sizes
     raise TypeError(f"unsupported quantizer {type(q).__name__}")
+
+
+def output_buffer(numel: int, dtype, device) -> "torch.Tensor":
+    """A flat output buffer.  On the GPU uninitialised (kernels write what
+    the layout defines, padding and capacity tails stay untouched); on the
+    CPU zero-filled, so reference results -- padding included -- are
+    deterministic (what opcheck compares between eager and traced runs)."""
+    import torch
+    dev = torch.device(device)
+    return (torch.zeros if dev.type == "cpu" else torch.empty)(numel, dtype=dtype, device=dev)

@@ -4,7 +4,9 @@ For CUDA splits this is one kernel launch (``lpmoe._C.splits_to_offsets``)
 that writes every requested offset array into one bulk buffer, each array
 16-byte aligned; nothing is read back to the host, so it is safe inside CUDA
 graph capture and under ``torch.cuda.set_sync_debug_mode("error")``.  CPU
-splits use plain PyTorch with the same results.
+splits use plain PyTorch with the same results in the same layout.  Under
+torch.compile the computation is the custom op ``lpmoe::splits_to_offsets``
+(lpmoe.library), which returns the bulk buffer; the views are cut here.
 
 Each output j is ``out_j[0] = 0``, ``out_j[t+1] = out_j[t] + round_up(s_t,
 align_j) * stride_j`` (times ``second[t]`` when ``times_second[j]``), i.e.
@@ -18,6 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from lpmoe._ext import ext
+from lpmoe.library.routing import OPS, tracing
 
 __all__ = ["OffsetsResult", "splits_to_offsets", "STATUS_NEGATIVE_SPLIT", "STATUS_ABOVE_CAPACITY"]
 
@@ -27,8 +30,10 @@ STATUS_ABOVE_CAPACITY = 2
 
 @dataclass
 class OffsetsResult:
-    offsets: List[torch.Tensor]   # each (N+1,) int64
+    offsets: List[torch.Tensor]   # each (N+1,) int64, views of ``bulk``
     status: torch.Tensor          # (1,) int64, STATUS_* bits; 0 = consistent
+    bulk: Optional[torch.Tensor] = None  # the one buffer holding them all
+    pitch: int = 0                # elements between consecutive outputs in ``bulk``
 
     def check(self) -> None:
         """Raise if the splits were inconsistent.  Reads the status: host sync."""
@@ -105,16 +110,47 @@ def splits_to_offsets(
         if second.device != dev:
             raise ValueError(f"second is on {second.device} but splits are on {dev}")
 
-    if dev.type == "cuda":
-        res = ext().splits_to_offsets(
-            None if splits is None else splits.contiguous(), n, int(uniform_split or 0), strides, aligns,
-            times_second, None if second is None else second.contiguous(),
-            -1 if capacity_rows is None else int(capacity_rows), dev.index if dev.index is not None else torch.cuda.current_device())
-        return OffsetsResult(offsets=list(res[1:-1]), status=res[-1])
+    if tracing():
+        bulk = OPS["splits_to_offsets"](splits, n, int(uniform_split or 0), strides, aligns, times_second, second,
+                                        -1 if capacity_rows is None else int(capacity_rows), dev)
+    else:
+        bulk = offsets_bulk(splits, n, int(uniform_split or 0), strides, aligns, times_second, second,
+                            -1 if capacity_rows is None else int(capacity_rows), dev)
+    return _views(bulk, n, len(strides))
 
-    # CPU path: same arithmetic with torch ops.
+
+def bulk_numel(num_splits: int, num_outputs: int) -> int:
+    """Elements of the one int64 buffer holding every output: each output
+    padded to an even count (16-byte aligned views), then a 2-slot status
+    block (the layout csrc/binding/grouped_offsets.cpp allocates)."""
+    return _pitch(num_splits) * num_outputs + 2
+
+
+def _pitch(num_splits: int) -> int:
+    return (num_splits + 2) // 2 * 2
+
+
+def _views(bulk: torch.Tensor, n: int, num_outputs: int) -> OffsetsResult:
+    pitch = _pitch(n)
+    outs = [bulk.narrow(0, j * pitch, n + 1) for j in range(num_outputs)]
+    return OffsetsResult(offsets=outs, status=bulk.narrow(0, pitch * num_outputs, 1), bulk=bulk, pitch=pitch)
+
+
+def offsets_bulk(splits, n: int, uniform_split: int, strides: List[int], aligns: List[int],
+                 times_second: List[bool], second, capacity_rows: int, device: torch.device) -> torch.Tensor:
+    """The offsets computation itself (validated arguments): the bulk buffer
+    of :func:`bulk_numel` elements, on ``device``.  CUDA: one launch; CPU:
+    the same arithmetic with torch ops, written in the same layout."""
+    if device.type == "cuda":
+        res = ext().splits_to_offsets(
+            None if splits is None else splits.contiguous(), n, uniform_split, strides, aligns, times_second,
+            None if second is None else second.contiguous(), capacity_rows,
+            device.index if device.index is not None else torch.cuda.current_device())
+        return res[0]
+    bulk = torch.zeros(bulk_numel(n, len(strides)), dtype=torch.int64, device=device)
+    pitch = _pitch(n)
     if splits is None:
-        s = torch.full((n,), int(uniform_split), dtype=torch.int64, device=dev)
+        s = torch.full((n,), uniform_split, dtype=torch.int64, device=device)
     else:
         s = splits.to(torch.int64)
     status = 0
@@ -122,18 +158,16 @@ def splits_to_offsets(
         status |= STATUS_NEGATIVE_SPLIT
     s = s.clamp_min(0)
     sec = None if second is None else second.to(torch.int64).clamp_min(0)
-    if capacity_rows is not None:
+    if capacity_rows >= 0:
         if int(s.sum()) > capacity_rows:
             status |= STATUS_ABOVE_CAPACITY
         # Truncate members at the capacity, like the device kernel.
         end = torch.cumsum(s, 0).clamp_max(capacity_rows)
         s = end - torch.cat([end.new_zeros(1), end[:-1]])
-    outs = []
-    for stride, align, ts in zip(strides, aligns, times_second):
+    for j, (stride, align, ts) in enumerate(zip(strides, aligns, times_second)):
         v = (s + (align - 1)) // align * align * stride
         if ts:
             v = v * sec
-        o = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(v, 0, out=o[1:])
-        outs.append(o)
-    return OffsetsResult(offsets=outs, status=torch.tensor([status], dtype=torch.int64, device=dev))
+        torch.cumsum(v, 0, out=bulk[j * pitch + 1:j * pitch + n + 1])
+    bulk[pitch * len(strides)] = status
+    return bulk

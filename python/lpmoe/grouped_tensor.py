@@ -24,8 +24,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, capacity_sizes, member_sizes
+from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, capacity_sizes, member_sizes, output_buffer
 from lpmoe.grouped_offsets import splits_to_offsets
+from lpmoe.library.routing import tracing
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from lpmoe.reference.numerics import check_float_matrix
 
@@ -55,7 +56,7 @@ def _as_dims(dims, name: str, n: int, device: torch.device) -> torch.Tensor:
         raise ValueError(f"{name} must be 1-D with num_tensors={n} entries, got shape {tuple(dims.shape)}")
     if dims.device != device:
         raise ValueError(f"{name} must be on {device} (the data's device), got {dims.device}")
-    if dims.device.type == "cpu" and bool((dims < 0).any()):
+    if dims.device.type == "cpu" and not tracing() and bool((dims < 0).any()):
         raise ValueError(f"{name} must be non-negative, got {dims.tolist()}")
     return dims.to(torch.int64).contiguous()
 
@@ -88,6 +89,8 @@ class GroupedTensor:
         ignored and recomputed from the dims, unless ``_trusted_offsets``
         (library-internal: it was produced by lpmoe's offsets kernel for
         exactly these dims)."""
+        if isinstance(num_tensors, torch.SymInt):  # traced with dynamic shapes: member counts are static
+            num_tensors = int(num_tensors)
         if not isinstance(num_tensors, int) or num_tensors < 1:
             raise ValueError(f"num_tensors must be a positive int, got {num_tensors!r}")
         logical_shape = tuple(int(d) for d in logical_shape)
@@ -128,8 +131,8 @@ class GroupedTensor:
             raise ValueError(f"same-shape group: logical rows {rows} not divisible by num_tensors {n}")
         if kind is ShapeKind.VARYING_BOTH and rows != 1:
             raise ValueError(f"varying-both groups have logical shape (1, total elements), got {logical_shape}")
-        if device.type == "cpu":  # host-visible: check sums now (no sync involved)
-            self._check_host_sums()
+        if device.type == "cpu" and not _trusted_offsets and not tracing():
+            self._check_host_sums()  # host-visible: check sums now (no sync involved)
 
         if tensor_offsets is not None:
             if tensor_offsets.dtype != torch.int64 or tensor_offsets.dim() != 1:
@@ -249,8 +252,9 @@ class GroupedTensor:
             else:
                 res = splits_to_offsets(self.first_dims, strides, aligns, capacity_rows=rows)
             self.tensor_offsets = res.offsets[0]
-            self.padded_row_offsets = torch.stack(res.offsets[1:]) if dev.type == "cpu" else \
-                self._stack_views(res.offsets[1:])
+            # The arrays sit at a fixed pitch in one buffer: one strided
+            # (5, N+1) view instead of a copy (same layout on CPU and GPU).
+            self.padded_row_offsets = res.offsets[1].as_strided((len(PADDED_ROW_ALIGNS), n + 1), (res.pitch, 1))
         elif kind is ShapeKind.VARYING_LAST:
             res = splits_to_offsets(self.last_dims, [rows], [1])
             self.tensor_offsets = res.offsets[0]
@@ -258,15 +262,6 @@ class GroupedTensor:
             res = splits_to_offsets(self.first_dims, [1], [1], second=self.last_dims, times_second=[True])
             self.tensor_offsets = res.offsets[0]
         self.offsets_status = res.status
-
-    @staticmethod
-    def _stack_views(views: List[torch.Tensor]) -> torch.Tensor:
-        # The kernel wrote the arrays at a fixed pitch inside one allocation:
-        # expose them as one strided (rows, N+1) view instead of copying.
-        first = views[0]
-        pitch = views[1].data_ptr() - first.data_ptr() if len(views) > 1 else first.numel()
-        pitch //= first.element_size()
-        return first.as_strided((len(views), first.numel()), (pitch, 1))
 
     def check_device_metadata(self) -> None:
         """Raise if the device-side dims were inconsistent (negative, or sum
@@ -385,7 +380,7 @@ class GroupedTensor:
             else:  # amax buffers exist only where the format sizes them
                 wanted = size > 0
             # Buffers a format produces exist even when empty, so shapes stay defined.
-            bufs[name] = torch.empty(size, dtype=buf_dtype[name], device=device) if wanted else None
+            bufs[name] = output_buffer(size, buf_dtype[name], device) if wanted else None
         swz = bool(getattr(quantizer, "swizzled_scales", False))
         return cls(num_tensors=num_tensors, logical_shape=(rows, k), dtype=dtype, quantizer=quantizer,
                    first_dims=first_dims, with_gemm_swizzled_scales=swz, **bufs)

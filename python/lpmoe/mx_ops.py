@@ -11,8 +11,9 @@ import torch
 
 from lpmoe._ext import ext
 from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles
-from lpmoe.grouped_layout import capacity_sizes, cdiv, rup
+from lpmoe.grouped_layout import capacity_sizes, cdiv, output_buffer, rup
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
+from lpmoe.library.routing import tracing
 from lpmoe.quantizers import MXFP8Quantizer, NVFP4Quantizer
 from lpmoe.reference.mxfp8 import MXFP8Quantized
 from lpmoe.reference.nvfp4 import NVFP4Quantized
@@ -46,7 +47,7 @@ def check_layout(q, g: GroupedTensor) -> None:
                              f"got {rows}")
         for name in ("first_dims", "last_dims"):
             d = getattr(g, name)
-            if d is not None and d.device.type == "cpu" and bool((d % 128 != 0).any()):
+            if d is not None and d.device.type == "cpu" and not tracing() and bool((d % 128 != 0).any()):
                 raise ValueError(f"MXFP8 varying-dims groups need every {name} entry to be a multiple of 128, "
                                  f"got {d.tolist()}")
         return
@@ -58,7 +59,7 @@ def check_layout(q, g: GroupedTensor) -> None:
         if g.shape_kind is ShapeKind.SAME_SHAPE and (rows // g.num_tensors) % 16:
             raise ValueError(f"NVFP4 needs every member's rows to be a multiple of 16, got {rows // g.num_tensors}")
         d = g.first_dims
-        if d is not None and d.device.type == "cpu" and bool((d % 16 != 0).any()):
+        if d is not None and d.device.type == "cpu" and not tracing() and bool((d % 16 != 0).any()):
             raise ValueError(f"NVFP4 needs every first_dims entry to be a multiple of 16, got {d.tolist()}")
 
 
@@ -103,7 +104,7 @@ def allocate(q, g: GroupedTensor) -> GroupedTensor:
         elif name == "columnwise_amax":
             wanted = isinstance(q, NVFP4Quantizer) and q.columnwise
         # Empty members still get (empty) buffers: shapes stay well defined.
-        bufs[name] = torch.empty(size, dtype=dt.get(name, torch.float32), device=dev) if wanted else None
+        bufs[name] = output_buffer(size, dt.get(name, torch.float32), dev) if wanted else None
     return GroupedTensor(num_tensors=g.num_tensors, logical_shape=g.logical_shape, dtype=g.dtype, quantizer=q,
                          first_dims=g.first_dims, last_dims=g.last_dims, tensor_offsets=g.tensor_offsets,
                          padded_row_offsets=g.padded_row_offsets, _trusted_offsets=True,

@@ -12,7 +12,9 @@ import torch
 
 from lpmoe import fp8_block_ops, mx_ops
 from lpmoe._op_utils import adopt_metadata
+from lpmoe.grouped_layout import output_buffer
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
+from lpmoe.library.routing import OPS, tracing
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from lpmoe.reference import grouped as ref_grouped
 from lpmoe.reference.numerics import check_float_matrix
@@ -147,14 +149,37 @@ def group_quantize(x: Union[torch.Tensor, GroupedTensor], quantizer: Quantizer, 
     _check_quantizer(quantizer)
     g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets, last_dims)
     _check_kind(quantizer, g)
+    return _run_group_quantize(g, quantizer, noop_flag, output, False)[0]
+
+
+def _run_group_quantize(g, quantizer, noop_flag, output, with_dbias):
+    if tracing():
+        return OPS["group_quantize"](g, quantizer, noop_flag, output, with_dbias)
+    return group_quantize_grouped(g, quantizer, noop_flag, output, with_dbias)
+
+
+def group_quantize_grouped(g: GroupedTensor, quantizer: Quantizer, noop_flag: Optional[torch.Tensor],
+                           output: Optional[GroupedTensor], with_dbias: bool
+                           ) -> Tuple[GroupedTensor, Optional[torch.Tensor]]:
+    """The implementation behind group_quantize / group_quantize_dbias (and
+    the op ``lpmoe::group_quantize``) on a validated high-precision group:
+    (quantized group, dbias or None)."""
     if g.device.type == "cpu":
-        return _group_quantize_reference(g, quantizer, output, noop_flag)
+        out = _group_quantize_reference(g, quantizer, output, noop_flag)
+        return out, (_dbias_reference(g) if with_dbias else None)
     if isinstance(quantizer, Float8BlockQuantizer):
-        out, _ = fp8_block_ops.group_quantize(g, quantizer, noop_flag=noop_flag, output=output, with_dbias=False)
-        return out
+        return fp8_block_ops.group_quantize(g, quantizer, noop_flag=noop_flag, output=output, with_dbias=with_dbias)
     if isinstance(quantizer, MXFP8Quantizer):
-        return mx_ops.mxfp8_group_quantize(g, quantizer, noop_flag=noop_flag, output=output)
-    return mx_ops.nvfp4_group_quantize(g, quantizer, noop_flag=noop_flag, output=output)
+        return mx_ops.mxfp8_group_quantize(g, quantizer, noop_flag=noop_flag, output=output), None
+    return mx_ops.nvfp4_group_quantize(g, quantizer, noop_flag=noop_flag, output=output), None
+
+
+def check_output_for(output: GroupedTensor, quantizer: Quantizer, g: GroupedTensor) -> None:
+    """An ``output=`` group fits this quantizer and input (metadata only)."""
+    if isinstance(quantizer, Float8BlockQuantizer):
+        fp8_block_ops.check_output(output, quantizer, g)
+    else:
+        mx_ops.check_output(output, quantizer, g)
 
 
 def group_quantize_dbias(x, quantizer: Quantizer, num_tensors: Optional[int] = None,
@@ -170,10 +195,7 @@ def group_quantize_dbias(x, quantizer: Quantizer, num_tensors: Optional[int] = N
         raise NotImplementedError("group_quantize_dbias is implemented for Float8BlockQuantizer")
     g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets)
     _check_kind(quantizer, g)
-    if g.device.type == "cpu":
-        out = _group_quantize_reference(g, quantizer, output, noop_flag)
-        return out, _dbias_reference(g)
-    return fp8_block_ops.group_quantize(g, quantizer, noop_flag=noop_flag, output=output, with_dbias=True)
+    return _run_group_quantize(g, quantizer, noop_flag, output, True)
 
 
 def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype = torch.bfloat16) -> GroupedTensor:
@@ -185,6 +207,13 @@ def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype = torch.bfloat16
         raise TypeError("grouped must be a quantized GroupedTensor")
     if dtype not in _HP:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    if tracing():
+        return OPS["group_dequantize"](grouped, dtype)
+    return group_dequantize_grouped(grouped, dtype)
+
+
+def group_dequantize_grouped(grouped: GroupedTensor, dtype: torch.dtype) -> GroupedTensor:
+    """The implementation behind group_dequantize (and ``lpmoe::group_dequantize``)."""
     q = grouped.quantizer
     if grouped.device.type == "cpu":
         return _group_dequantize_reference(grouped, dtype)
@@ -224,7 +253,7 @@ def _dbias_reference(g: GroupedTensor) -> torch.Tensor:
 
 def _group_dequantize_reference(grouped: GroupedTensor, dtype) -> GroupedTensor:
     rows, k = grouped.logical_shape
-    out = torch.empty(rows * k, dtype=dtype, device=grouped.device)
+    out = output_buffer(rows * k, dtype, grouped.device)
     ref_grouped.group_dequantize_into(grouped.split(), grouped.quantizer, dtype,
                                       grouped.rowwise_data is None, out)
     res = GroupedTensor(num_tensors=grouped.num_tensors, logical_shape=grouped.logical_shape, dtype=dtype,

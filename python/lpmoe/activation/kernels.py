@@ -35,6 +35,7 @@ from lpmoe._ext import ext
 from lpmoe._op_utils import max_row_tiles
 from lpmoe.activation.spec import Activation
 from lpmoe.grouped_tensor import GroupedTensor
+from lpmoe.library.routing import OPS, tracing
 from lpmoe.quantize import group_quantize, group_quantize_dbias
 from lpmoe.quantizers import Float8BlockQuantizer
 from lpmoe.reference import activation as ref
@@ -100,6 +101,14 @@ def forward(h: torch.Tensor, spec: Activation, probs: Optional[torch.Tensor], sp
     """a = act(h) [* probs] as high precision (``write_hp``) and/or quantized
     with ``quantizer`` (an FP8 block GroupedTensor grouped by the device
     ``splits``; not needed without a quantizer)."""
+    if tracing():
+        return OPS["activation_forward"](h, spec, probs, splits, write_hp, quantizer)
+    return forward_impl(h, spec, probs, splits, write_hp=write_hp, quantizer=quantizer)
+
+
+def forward_impl(h: torch.Tensor, spec: Activation, probs: Optional[torch.Tensor], splits: Optional[torch.Tensor], *,
+                 write_hp: bool, quantizer: Optional[Float8BlockQuantizer] = None) -> ForwardResult:
+    """The implementation behind :func:`forward` (and ``lpmoe::activation_forward``)."""
     rows, f = h.shape[0], _ffn(h, spec)
     if not _on_kernels(h):
         CALLS["reference_forward"] += 1
@@ -140,6 +149,17 @@ def backward(da: torch.Tensor, h: torch.Tensor, spec: Activation, probs: Optiona
     (an FP8 block GroupedTensor grouped by the device ``splits``), with the
     per-member bias gradient of fc1 when ``dbias``, and d probs (when
     ``probs`` and ``dprobs``), from one read of da and h."""
+    if tracing():
+        return OPS["activation_backward"](da, h, spec, probs, splits, dh_hp, dh_quantizer, dbias, dprobs)
+    return backward_impl(da, h, spec, probs, splits, dh_hp=dh_hp, dh_quantizer=dh_quantizer, dbias=dbias,
+                         dprobs=dprobs)
+
+
+def backward_impl(da: torch.Tensor, h: torch.Tensor, spec: Activation, probs: Optional[torch.Tensor],
+                  splits: Optional[torch.Tensor], *, dh_hp: bool = False,
+                  dh_quantizer: Optional[Float8BlockQuantizer] = None, dbias: bool = False,
+                  dprobs: bool = True) -> BackwardResult:
+    """The implementation behind :func:`backward` (and ``lpmoe::activation_backward``)."""
     rows, f = h.shape[0], _ffn(h, spec)
     da = da.contiguous()
     grad_probs = probs if dprobs else None  # probs still scale; only the reduction is skipped

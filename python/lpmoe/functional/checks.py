@@ -71,7 +71,9 @@ def _cuda_major(device: torch.device) -> int:
 def check_recipe(recipe, dtype, n: int, k: int, splits, cuda: bool,
                   device: Optional[torch.device] = None) -> None:
     graph_safe = splits.host is None
-    if cuda and isinstance(recipe, Float8BlockScaling) and _cuda_major(device) != 9:
+    # (the hardware check runs when the layer op itself runs, not while Dynamo traces)
+    if cuda and isinstance(recipe, Float8BlockScaling) and not torch.compiler.is_compiling() and \
+            _cuda_major(device) != 9:
         raise RuntimeError(f"Float8BlockScaling needs Hopper (sm_90): its 1x128/128x128 FP8 GEMMs exist only "
                            f"there (this GPU is sm_{_cuda_major(device)}x). On Blackwell the native FP8 "
                            "recipe is MXFP8 (TransformerEngine); in lpmoe use MXFP8BlockScaling (numerics "

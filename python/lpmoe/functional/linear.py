@@ -44,50 +44,72 @@ Recipes (see :mod:`lpmoe.recipe`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
-from lpmoe.functional.linear_steps import dgrad_step, linear_forward, wgrad_step
-from lpmoe.functional.splits import Splits, parse_splits
+from lpmoe.functional.linear_steps import dgrad_step, linear_forward, per_expert, wgrad_step
+from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
+from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import LinearPolicy, Needs, Tokens, policy_for
 from lpmoe.recipe import Recipe
 
-__all__ = ["grouped_linear"]
+__all__ = ["grouped_linear", "LinearConfig", "linear_forward_impl", "linear_backward_impl", "needs_of"]
 
 
 @dataclass
-class _Config:
+class LinearConfig:
+    """Everything static about one call (the op path carries it as JSON)."""
     policy: LinearPolicy
-    splits: Splits
     num: int
     has_bias: bool
     weight_cache: Optional[WeightCache]
     is_first_microbatch: Optional[bool]
     grad_enabled: bool  # read at call time: Function.forward always runs with grad disabled
+    need: Needs
     fuse_wgrad_accumulation: bool = False
 
 
+def linear_forward_impl(x2d: torch.Tensor, splits: Splits, weights, biases, cfg: LinearConfig):
+    """y and what the backward reads: (y, (saved_x, saved_w))."""
+    need = cfg.need
+    wsrc = WeightSource(weights, cfg.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+    out, fw = linear_forward(cfg.policy, Tokens(hp=x2d), wsrc, biases, splits, need)
+    return out, (fw.saved_x if need.wgrad else None, fw.saved_w if need.dgrad else None)
+
+
+def linear_backward_impl(grad_out: torch.Tensor, saved_x, saved_w, splits: Splits, cfg: LinearConfig,
+                         shape: Tuple[int, int, int], dtype: torch.dtype, main_grad_weights=None):
+    """(dx or None, weight grads (G, N, K) or None, bias grads (G, N) or None;
+    see linear_steps.wgrad_step)."""
+    need = cfg.need
+    dy = grad_out.contiguous()  # e.g. an expanded (stride-0) grad of .sum()
+    grad = cfg.policy.grad(dy, splits, need)
+    dgrad = dgrad_step(cfg.policy, grad, saved_w, splits, shape) if need.dgrad else None
+    tokens = cfg.policy.wgrad_tokens(saved_x, splits) if need.wgrad else None
+    w_grads, b_grads = wgrad_step(grad, tokens, splits, need, num=cfg.num, dtype=dtype,
+                                  main_grad_weights=main_grad_weights)
+    return dgrad, w_grads, b_grads
+
+
 class _GroupedLinear(torch.autograd.Function):
-    """Sequences the three GEMMs; what they read and what is saved is the
-    recipe policy's business (lpmoe.policy)."""
+    """Eager autograd: sequences the three GEMMs; what they read and what is
+    saved is the recipe policy's business (lpmoe.policy).  Under
+    torch.compile the same implementation runs as the custom op
+    ``lpmoe::grouped_linear`` (lpmoe.library.layer_ops)."""
 
     @staticmethod
-    def forward(ctx, x2d, cfg: _Config, *params):
+    def forward(ctx, x2d, splits, cfg: LinearConfig, *params):
         num = cfg.num
         weights = list(params[:num])
         biases = list(params[num:]) if cfg.has_bias else None
-        # needs_input_grad reflects requires_grad only, not torch.no_grad().
-        flags = [cfg.grad_enabled and r for r in ctx.needs_input_grad]
-        need = Needs(dgrad=flags[0], wgrad=any(flags[2:2 + num]), dbias=cfg.has_bias and any(flags[2 + num:]))
-        wsrc = WeightSource(weights, cfg.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
-        out, fw = linear_forward(cfg.policy, Tokens(hp=x2d), wsrc, biases, cfg.splits, need)
-        saved.save(ctx, fw.saved_x if need.wgrad else None, fw.saved_w if need.dgrad else None)
-        ctx.cfg, ctx.need = cfg, need
+        out, (sx, sw) = linear_forward_impl(x2d, splits, weights, biases, cfg)
+        saved.save(ctx, sx, sw)
+        ctx.cfg, ctx.splits = cfg, splits
         ctx.main_grad_weights = weights if cfg.fuse_wgrad_accumulation else None
         ctx.shape = (num,) + tuple(weights[0].shape)
         ctx.dtype = x2d.dtype
@@ -95,19 +117,22 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        cfg, need = ctx.cfg, ctx.need
+        cfg = ctx.cfg
         saved_x, saved_w = saved.load(ctx)
-        dy = grad_out.contiguous()  # e.g. an expanded (stride-0) grad of .sum()
-        grad = cfg.policy.grad(dy, cfg.splits, need)
-        dgrad = dgrad_step(cfg.policy, grad, saved_w, cfg.splits, ctx.shape) if need.dgrad else None
-        tokens = cfg.policy.wgrad_tokens(saved_x, cfg.splits) if need.wgrad else None
-        w_grads, b_grads = wgrad_step(grad, tokens, cfg.splits, need, num=cfg.num, dtype=ctx.dtype,
-                                      main_grad_weights=ctx.main_grad_weights)
+        dgrad, w_grads, b_grads = linear_backward_impl(grad_out, saved_x, saved_w, ctx.splits, cfg, ctx.shape,
+                                                       ctx.dtype, ctx.main_grad_weights)
         ctx.main_grad_weights = None
-        grads = [dgrad, None] + w_grads
+        grads = [dgrad, None, None] + per_expert(w_grads, cfg.num)
         if cfg.has_bias:
-            grads += b_grads if b_grads is not None else [None] * cfg.num
+            grads += per_expert(b_grads, cfg.num)
         return tuple(grads)
+
+
+def needs_of(x: torch.Tensor, weights, biases, grad_enabled: bool) -> Needs:
+    """Which gradients a call must produce (what autograd would ask for)."""
+    return Needs(dgrad=grad_enabled and x.requires_grad,
+                 wgrad=grad_enabled and any(w.requires_grad for w in weights),
+                 dbias=grad_enabled and biases is not None and any(b.requires_grad for b in biases))
 
 
 # ------------------------------------------------------------------ public
@@ -154,8 +179,6 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     if recipe is None:
         recipe = get_autocast_recipe()
     x2d = inp.reshape(-1, k)
-    splits = parse_splits(m_splits, g, x2d.shape[0], inp.device)
-    check_recipe(recipe, inp.dtype, n, k, splits, inp.is_cuda, inp.device)
     if is_first_microbatch not in (None, True, False):
         raise TypeError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
     if is_first_microbatch is not None and weight_cache is None:
@@ -164,10 +187,20 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
         raise TypeError(f"weight_cache must be an lpmoe.functional.WeightCache, got {type(weight_cache).__name__}")
     if not isinstance(fuse_wgrad_accumulation, bool):
         raise TypeError(f"fuse_wgrad_accumulation must be a bool, got {fuse_wgrad_accumulation!r}")
-    if fuse_wgrad_accumulation and torch.is_grad_enabled():
+    grad_enabled = torch.is_grad_enabled()
+    need = needs_of(inp, weights, biases, grad_enabled)
+    if tracing():
+        check_recipe(recipe, inp.dtype, n, k, splits_for_checks(m_splits, g, x2d.shape[0], inp.device), inp.is_cuda,
+                     inp.device)
+        out = OPS["grouped_linear"](x2d.contiguous(), m_splits, list(weights), biases, recipe, weight_cache,
+                                       is_first_microbatch, fuse_wgrad_accumulation, need)
+        return out.view(*inp.shape[:-1], n)
+    splits = parse_splits(m_splits, g, x2d.shape[0], inp.device)
+    check_recipe(recipe, inp.dtype, n, k, splits, inp.is_cuda, inp.device)
+    if fuse_wgrad_accumulation and grad_enabled:
         check_main_grads(weights)
-    cfg = _Config(policy_for(recipe), splits, g, biases is not None, weight_cache, is_first_microbatch,
-                  torch.is_grad_enabled(), fuse_wgrad_accumulation)
+    cfg = LinearConfig(policy_for(recipe), g, biases is not None, weight_cache, is_first_microbatch, grad_enabled,
+                       need, fuse_wgrad_accumulation)
     params = list(weights) + (list(biases) if biases is not None else [])
-    out = _GroupedLinear.apply(x2d.contiguous(), cfg, *params)
+    out = _GroupedLinear.apply(x2d.contiguous(), splits, cfg, *params)
     return out.view(*inp.shape[:-1], n)

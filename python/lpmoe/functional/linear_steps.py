@@ -11,7 +11,7 @@ import torch
 from lpmoe.gemm import grouped_gemm
 from lpmoe.policy import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
 
-__all__ = ["linear_forward", "dgrad_step", "wgrad_step", "bias_grad", "fused_wgrad_results"]
+__all__ = ["linear_forward", "dgrad_step", "wgrad_step", "bias_grad", "fused_wgrad_results", "per_expert"]
 
 # Width of the ones operand of the bias-gradient GEMM: the narrowest the
 # grouped kernels take (N and K multiples of 16).
@@ -53,9 +53,10 @@ def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, num: int, dtype
     """Weight gradients (dy^T . x) and bias gradients (fused ones from
     ``grad.dbias``, else a GEMM against ones).  With ``main_grad_weights``
     (fuse_wgrad_accumulation) the weight gradients are added into their fp32
-    ``main_grad`` instead of being returned.  Returns (per-expert weight
-    grads, per-expert bias grads or None)."""
-    w_grads: List[Optional[torch.Tensor]] = [None] * num
+    ``main_grad`` instead of being returned.  Returns (weight grads: a
+    (G, N, K) tensor, or with main_grad_weights the per-expert list autograd
+    gets, or None; bias grads (G, N) or None); :func:`per_expert` splits them."""
+    w_grads = None
     if need.wgrad:
         def run(out, accumulate):
             out_dtype = None if out is not None else (torch.float32 if main_grad_weights else dtype)
@@ -65,13 +66,21 @@ def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, num: int, dtype
             _accumulate_main_grads(main_grad_weights, run)
             w_grads = fused_wgrad_results(main_grad_weights)
         else:
-            w_grads = list(run(None, False).to(dtype).unbind(0))
+            w_grads = run(None, False).to(dtype)
     grad.wgrad = None
     b_grads = None
     if need.dbias:
         dbias = grad.dbias if grad.dbias is not None else bias_grad(grad.hp, splits)
-        b_grads = list(dbias.to(dtype).unbind(0))
+        b_grads = dbias.to(dtype)
     return w_grads, b_grads
+
+
+def per_expert(grads, num: int) -> List[Optional[torch.Tensor]]:
+    """A (G, ...) gradient (or an already per-expert list, or None) as the
+    G per-expert tensors autograd returns for the G parameters."""
+    if grads is None:
+        return [None] * num
+    return list(grads) if isinstance(grads, list) else list(grads.unbind(0))
 
 
 def _stacked_main_grads(weights) -> Optional[torch.Tensor]:

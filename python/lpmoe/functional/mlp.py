@@ -22,7 +22,7 @@ recipes run the same sequence with a high-precision activation in between
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -31,9 +31,11 @@ from lpmoe.activation.spec import Activation, parse_activation
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
-from lpmoe.functional.linear_steps import dgrad_step, linear_forward, wgrad_step
-from lpmoe.functional.splits import Splits, parse_splits
+from lpmoe.functional.linear import needs_of
+from lpmoe.functional.linear_steps import dgrad_step, linear_forward, per_expert, wgrad_step
+from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
+from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Grad, LinearPolicy, Needs, Tokens, policy_for
 from lpmoe.policy.fp8_block import grad_views
 from lpmoe.recipe import Recipe
@@ -65,53 +67,111 @@ class _Layer:
 
 
 @dataclass
-class _Config:
+class MLPConfig:
+    """Everything static about one call (the op path carries it as JSON)."""
     spec: Activation
-    splits: Splits
     fc1: _Layer
     fc2: _Layer
     has_probs: bool
     is_first_microbatch: Optional[bool]
     grad_enabled: bool
+    needs: Tuple[Needs, Needs, bool]  # fc1, fc2, probs
 
 
-def _split_params(params, layer: _Layer):
+def split_params(params, layer: _Layer):
     n = layer.num
     return list(params[:n]), (list(params[n:2 * n]) if layer.has_bias else None), n * (2 if layer.has_bias else 1)
 
 
+def mlp_needs(x, probs, fc1, fc2, grad_enabled: bool) -> Tuple[Needs, Needs, bool]:
+    """(fc1's, fc2's, d probs?) gradients a call must produce."""
+    need1 = needs_of(x, fc1.weights, fc1.biases, grad_enabled)
+    need_probs = grad_enabled and probs is not None and probs.requires_grad
+    need_act = need1.any or need_probs  # anything upstream of the activation trains
+    w2 = needs_of(x, fc2.weights, fc2.biases, grad_enabled)
+    return need1, Needs(dgrad=need_act, wgrad=w2.wgrad, dbias=w2.dbias), need_probs
+
+
+#: names of the saved objects of mlp_forward_impl, in order
+SAVED = ("x1", "w1", "probs", "w2", "h", "x2")
+
+
+def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig):
+    """y and the saved objects (SAVED order)."""
+    w1, b1, used = split_params(params, cfg.fc1)
+    w2, b2, _ = split_params(params[used:], cfg.fc2)
+    need1, need2, need_probs = cfg.needs
+    need_act = need2.dgrad
+    spec = cfg.spec
+    ws1 = WeightSource(w1, cfg.fc1.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+    h, fw1 = linear_forward(cfg.fc1.policy, Tokens(hp=x2d), ws1, b1, splits, need1)
+    write_hp, q_act = cfg.fc2.policy.activation_output(need2)
+    act = kernels.forward(h, spec, probs, splits.device, write_hp=write_hp or q_act is None, quantizer=q_act)
+    ws2 = WeightSource(w2, cfg.fc2.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+    y, fw2 = linear_forward(cfg.fc2.policy, Tokens(hp=act.hp, quantized=act.quantized), ws2, b2, splits, need2)
+    del act
+    return y, (fw1.saved_x if need1.wgrad else None, fw1.saved_w if need1.dgrad else None,
+               probs if need_act else None, fw2.saved_w if need2.dgrad else None, h if need_act else None,
+               fw2.saved_x if need2.wgrad else None)
+
+
+def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=(None, None)):
+    """Gradients (dx, dprobs, w1, b1, w2, b2 lists or None) from the saved
+    objects, which ``take(name)`` hands over one at a time (so each can be
+    dropped right after its last reader)."""
+    need1, need2, need_probs = cfg.needs
+    spec = cfg.spec
+    main1, main2 = main_grads
+    pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
+    x1, w1s, probs = take("x1"), take("w1"), take("probs")
+
+    grad2 = pol2.grad(grad_out.contiguous(), splits, need2)
+    w2s = take("w2")
+    da = dgrad_step(pol2, grad2, w2s, splits, cfg.fc2.shape) if need2.dgrad else None
+    del w2s
+    x2 = take("x2")
+    w2_grads, b2_grads = wgrad_step(grad2, pol2.wgrad_tokens(x2, splits) if need2.wgrad else None, splits,
+                                    need2, num=cfg.fc2.num, dtype=dtype, main_grad_weights=main2)
+    del grad2, x2
+
+    dx, w1_grads, b1_grads, dprobs = None, None, None, None
+    h = take("h")
+    if need2.dgrad:
+        # One pass over (da, h): fc1's output gradient in the form fc1's
+        # GEMMs read (with fc1's bias gradient when fused), and d probs.
+        q1 = pol1.grad_quantizer(need1)
+        res = kernels.backward(da, h, spec, probs, splits.device, dh_hp=need1.any and q1 is None,
+                               dh_quantizer=q1, dbias=need1.dbias and q1 is not None, dprobs=need_probs)
+        del da, h
+        dprobs = res.dprobs
+        if need1.any:
+            if q1 is not None:
+                grad1 = grad_views(res.dh_quantized, need1, res.dbias)
+            else:
+                grad1 = pol1.grad(res.dh, splits, need1) if (need1.dgrad or need1.wgrad) else Grad(hp=res.dh)
+            del res
+            dx = dgrad_step(pol1, grad1, w1s, splits, cfg.fc1.shape) if need1.dgrad else None
+            w1_grads, b1_grads = wgrad_step(grad1, pol1.wgrad_tokens(x1, splits) if need1.wgrad else None,
+                                            splits, need1, num=cfg.fc1.num, dtype=dtype, main_grad_weights=main1)
+    return dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads
+
+
 class _GroupedMLP(torch.autograd.Function):
+    """Eager autograd of the fused MLP (torch.compile runs the same
+    implementation as the op ``lpmoe::grouped_mlp``, lpmoe.library.layer_ops)."""
 
     @staticmethod
-    def forward(ctx, x2d, probs, cfg: _Config, *params):
-        w1, b1, used = _split_params(params, cfg.fc1)
-        w2, b2, _ = _split_params(params[used:], cfg.fc2)
-        flags = [cfg.grad_enabled and r for r in ctx.needs_input_grad]
-        f1, f2 = flags[3:3 + used], flags[3 + used:]
-        n = cfg.fc1.num
-        need1 = Needs(dgrad=flags[0], wgrad=any(f1[:n]), dbias=cfg.fc1.has_bias and any(f1[n:]))
-        need_probs = cfg.has_probs and flags[1]
-        need_act = need1.any or need_probs  # anything upstream of the activation trains
-        need2 = Needs(dgrad=need_act, wgrad=any(f2[:n]), dbias=cfg.fc2.has_bias and any(f2[n:]))
-        splits, spec = cfg.splits, cfg.spec
-
-        ws1 = WeightSource(w1, cfg.fc1.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
-        h, fw1 = linear_forward(cfg.fc1.policy, Tokens(hp=x2d), ws1, b1, splits, need1)
-        write_hp, q_act = cfg.fc2.policy.activation_output(need2)
-        act = kernels.forward(h, spec, probs, splits.device, write_hp=write_hp or q_act is None, quantizer=q_act)
-        ws2 = WeightSource(w2, cfg.fc2.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
-        y, fw2 = linear_forward(cfg.fc2.policy, Tokens(hp=act.hp, quantized=act.quantized), ws2, b2, splits, need2)
-        del act
-
+    def forward(ctx, x2d, probs, splits, cfg: MLPConfig, *params):
+        y, objs = mlp_forward_impl(x2d, probs, splits, params, cfg)
+        x1, w1s, p, sw2, h, sx2 = objs
         # Parameters (and the caller's tensors) through save_for_backward;
         # what this function made and its backward drops half-way is held.
-        sx2 = fw2.saved_x if need2.wgrad else None
-        sw2 = fw2.saved_w if need2.dgrad else None
         sw2_params = isinstance(sw2, list)
-        saved.save(ctx, fw1.saved_x if need1.wgrad else None, fw1.saved_w if need1.dgrad else None,
-                   probs if need_act else None, sw2 if sw2_params else None)
-        saved.hold(ctx, h=h if need_act else None, x2=sx2, w2=None if sw2_params else sw2)
-        ctx.cfg, ctx.needs = cfg, (need1, need2, need_probs)
+        saved.save(ctx, x1, w1s, p, sw2 if sw2_params else None)
+        saved.hold(ctx, h=h, x2=sx2, w2=None if sw2_params else sw2)
+        ctx.cfg, ctx.splits = cfg, splits
+        w1, _, used = split_params(params, cfg.fc1)
+        w2, _, _ = split_params(params[used:], cfg.fc2)
         ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)
         ctx.dtype = x2d.dtype
@@ -120,48 +180,31 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         cfg = ctx.cfg
-        need1, need2, need_probs = ctx.needs
-        splits, spec = cfg.splits, cfg.spec
         x1, w1s, probs, w2_params = saved.load(ctx)
-        w2s = w2_params if w2_params is not None else saved.take(ctx, "w2")
-        main1, main2 = ctx.main_grads
-        pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
+        early = {"x1": x1, "w1": w1s, "probs": probs}
 
-        grad2 = pol2.grad(grad_out.contiguous(), splits, need2)
-        da = dgrad_step(pol2, grad2, w2s, splits, cfg.fc2.shape) if need2.dgrad else None
-        del w2s
-        x2 = saved.take(ctx, "x2")
-        w2_grads, b2_grads = wgrad_step(grad2, pol2.wgrad_tokens(x2, splits) if need2.wgrad else None, splits,
-                                        need2, num=cfg.fc2.num, dtype=ctx.dtype, main_grad_weights=main2)
-        del grad2, x2
+        def take(name):
+            if name in early:
+                return early.pop(name)
+            if name == "w2" and w2_params is not None:
+                return w2_params
+            return saved.take(ctx, name)
 
-        dx, w1_grads, b1_grads, dprobs = None, [None] * cfg.fc1.num, None, None
-        if need2.dgrad:
-            # One pass over (da, h): fc1's output gradient in the form fc1's
-            # GEMMs read (with fc1's bias gradient when fused), and d probs.
-            q1 = pol1.grad_quantizer(need1)
-            h = saved.take(ctx, "h")
-            res = kernels.backward(da, h, spec, probs, splits.device, dh_hp=need1.any and q1 is None,
-                                   dh_quantizer=q1, dbias=need1.dbias and q1 is not None, dprobs=need_probs)
-            del da, h
-            dprobs = res.dprobs
-            if need1.any:
-                if q1 is not None:
-                    grad1 = grad_views(res.dh_quantized, need1, res.dbias)
-                else:
-                    grad1 = pol1.grad(res.dh, splits, need1) if (need1.dgrad or need1.wgrad) else Grad(hp=res.dh)
-                del res
-                dx = dgrad_step(pol1, grad1, w1s, splits, cfg.fc1.shape) if need1.dgrad else None
-                w1_grads, b1_grads = wgrad_step(grad1, pol1.wgrad_tokens(x1, splits) if need1.wgrad else None,
-                                                splits, need1, num=cfg.fc1.num, dtype=ctx.dtype,
-                                                main_grad_weights=main1)
-        grads = [dx, dprobs, None] + w1_grads
-        if cfg.fc1.has_bias:
-            grads += b1_grads if b1_grads is not None else [None] * cfg.fc1.num
-        grads += w2_grads
-        if cfg.fc2.has_bias:
-            grads += b2_grads if b2_grads is not None else [None] * cfg.fc2.num
-        return tuple(grads)
+        dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads = mlp_backward_impl(
+            grad_out, take, ctx.splits, cfg, ctx.dtype, ctx.main_grads)
+        return tuple(mlp_grads_list(cfg, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads, extra_none=2))
+
+
+def mlp_grads_list(cfg: MLPConfig, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads, extra_none: int) -> list:
+    """Gradients in the order (x, probs, <extra_none Nones>, fc1 weights,
+    fc1 biases, fc2 weights, fc2 biases)."""
+    grads = [dx, dprobs] + [None] * extra_none + per_expert(w1_grads, cfg.fc1.num)
+    if cfg.fc1.has_bias:
+        grads += per_expert(b1_grads, cfg.fc1.num)
+    grads += per_expert(w2_grads, cfg.fc2.num)
+    if cfg.fc2.has_bias:
+        grads += per_expert(b2_grads, cfg.fc2.num)
+    return grads
 
 
 def _check_probs(probs, inp: torch.Tensor) -> Optional[torch.Tensor]:
@@ -230,7 +273,7 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
         recipe = get_autocast_recipe()
     x2d = inp.reshape(-1, hidden)
     p = _check_probs(probs, inp)
-    splits = parse_splits(m_splits, g, x2d.shape[0], inp.device)
+    splits = (splits_for_checks if tracing() else parse_splits)(m_splits, g, x2d.shape[0], inp.device)
     check_recipe(recipe, inp.dtype, w, hidden, splits, inp.is_cuda, inp.device)
     check_recipe(recipe, inp.dtype, hidden, ffn, splits, inp.is_cuda, inp.device)
     if inp.is_cuda and inp.dtype != torch.float32 and ffn % 16:
@@ -243,13 +286,18 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
         for lp in (fc1, fc2):
             if lp.fuse_wgrad_accumulation:
                 check_main_grads(list(lp.weights))
+    grad_enabled = torch.is_grad_enabled()
+    needs = mlp_needs(inp, p, fc1, fc2, grad_enabled)
+    if tracing():  # (the op counts its own runs: lpmoe.library.layer_ops.CALLS)
+        out = OPS["grouped_mlp"](x2d.contiguous(), p, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs)
+        return out.view(*inp.shape[:-1], hidden)
     policy = policy_for(recipe)
     l1 = _Layer(policy, g, fc1.biases is not None, fc1.weight_cache, fc1.fuse_wgrad_accumulation,
                 (g, w, hidden))
     l2 = _Layer(policy, g, fc2.biases is not None, fc2.weight_cache, fc2.fuse_wgrad_accumulation,
                 (g, hidden, ffn))
-    cfg = _Config(spec, splits, l1, l2, p is not None, is_first_microbatch, torch.is_grad_enabled())
-    params: List[torch.Tensor] = list(fc1.weights) + list(fc1.biases or []) + list(fc2.weights) + list(fc2.biases or [])
+    cfg = MLPConfig(spec, l1, l2, p is not None, is_first_microbatch, grad_enabled, needs)
     CALLS["grouped_mlp"] += 1
-    out = _GroupedMLP.apply(x2d.contiguous(), p, cfg, *params)
+    params: List[torch.Tensor] = list(fc1.weights) + list(fc1.biases or []) + list(fc2.weights) + list(fc2.biases or [])
+    out = _GroupedMLP.apply(x2d.contiguous(), p, splits, cfg, *params)
     return out.view(*inp.shape[:-1], hidden)

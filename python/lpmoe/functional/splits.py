@@ -51,3 +51,20 @@ def parse_splits(m_splits, num: int, rows: int, device: torch.device) -> Splits:
         raise ValueError(f"sum(m_splits) = {sum(host)} exceeds the input's {rows} token rows")
     dev = torch.tensor(host, dtype=torch.int64)
     return Splits(dev if device.type == "cpu" else dev.to(device), host)
+
+
+def splits_for_checks(m_splits, num: int, rows: int, device: torch.device) -> Splits:
+    """What the argument checks read, without touching tensor values (the
+    torch.compile path: the layer op parses the splits when it runs).  A
+    list is validated here; ``device`` of the result is the given tensor
+    (or None for a list)."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"m_splits must hold int32/int64 values, got {m_splits.dtype}")
+        if m_splits.dim() != 1 or m_splits.numel() != num:
+            raise ValueError(f"m_splits must have one entry per expert ({num}), got shape {tuple(m_splits.shape)}")
+        if m_splits.device.type != "cpu" and m_splits.device != device:
+            raise ValueError(f"m_splits is on {m_splits.device} but the input is on {device}")
+        return Splits(m_splits, None)
+    host = parse_splits(m_splits, num, rows, torch.device("cpu")).host
+    return Splits(None, host)

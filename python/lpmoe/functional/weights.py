@@ -2,14 +2,26 @@
 call or cached across micro-batches (``is_first_microbatch``)."""
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from lpmoe.grouped_tensor import GroupedTensor
+from lpmoe.library.routing import tracing
 from lpmoe.quantize import group_quantize
 
 __all__ = ["WeightCache", "WeightSource", "stack_weights"]
+
+
+_cache_counter = itertools.count(1)
+_caches_by_key: "weakref.WeakValueDictionary[int, WeightCache]" = weakref.WeakValueDictionary()
+
+
+def cache_by_key(key: int) -> Optional["WeightCache"]:
+    """The live WeightCache named ``key`` (None if it was freed or key < 0)."""
+    return _caches_by_key.get(key) if key >= 0 else None
 
 
 class WeightCache:
@@ -23,6 +35,9 @@ class WeightCache:
     """
 
     def __init__(self):
+        #: integer name of this cache (the compiled layer ops carry it; lookup with cache_by_key)
+        self.key = next(_cache_counter)
+        _caches_by_key[self.key] = self
         self.quantized: Optional[GroupedTensor] = None
         #: float32 device tensor read by the quantize kernel (1.0 = skip writing)
         self.skip_flag: Optional[torch.Tensor] = None
@@ -66,6 +81,8 @@ def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     w0 = weights[0]
     n, k = w0.shape
     step = n * k * w0.element_size()
+    if tracing():  # fake tensors have no addresses (shape propagation of the compiled layer ops)
+        return torch.stack(list(weights)).view(len(weights) * n, k)
     if all(w.is_contiguous() and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
            and w.data_ptr() == w0.data_ptr() + i * step for i, w in enumerate(weights)):
         return w0.detach().as_strided((len(weights) * n, k), (k, 1))

@@ -42,6 +42,7 @@ import torch
 from lpmoe.gemm.operands import GemmOperands, host_splits, parse_operands
 from lpmoe.gemm.reference import reference_grouped_gemm
 from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace, slot_for_kind
+from lpmoe.library.routing import OPS, tracing
 
 __all__ = ["grouped_gemm", "grouped_backend_support", "fp8_kernel_config", "fp8_kernel_key"]
 
@@ -200,6 +201,21 @@ def grouped_gemm(a, b, *, kind: str, out: Optional[torch.Tensor] = None, accumul
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if tracing():
+        return OPS["grouped_gemm"](a, b, kind, out, accumulate, bias, out_dtype, backend, m_splits)
+    return grouped_gemm_impl(a, b, kind, out, accumulate, bias, out_dtype, backend, m_splits)
+
+
+def output_spec(a, b, kind: str, out_dtype, m_splits):
+    """(dtype, shape, device) of a fresh output (metadata only: the fake of
+    ``lpmoe::grouped_gemm``)."""
+    ops = parse_operands(a, b, kind, m_splits)
+    _, dtype, shape = _check_out(ops, None, out_dtype, False)
+    return dtype, shape, ops.device
+
+
+def grouped_gemm_impl(a, b, kind: str, out, accumulate: bool, bias, out_dtype, backend: str, m_splits):
+    """The implementation behind :func:`grouped_gemm` (and its ops)."""
     ops = parse_operands(a, b, kind, m_splits)
     out, dtype, shape = _check_out(ops, out, out_dtype, accumulate)
     bias = _check_bias(ops, bias, dtype)
@@ -286,6 +302,14 @@ def _fp8_weight_operand(ops: GemmOperands, scale_layout: str):
     else:
         data, member = b.columnwise_data, k * _rup(n, 128)
     return (data, member) + _weight_scales(ops, scale_layout)
+
+
+def prepare_weight_list(weights) -> None:
+    """Make the device address table of a list of weights now (outside any
+    capture), as the first grouped call with them would."""
+    key = tuple(w.data_ptr() for w in weights) + (weights[0].device.index or 0,)
+    if key not in _ptr_tables:
+        _ptr_tables[key] = torch.tensor(list(key[:-1]), dtype=torch.int64, device=weights[0].device)
 
 
 def _ptr_table(ops: GemmOperands) -> torch.Tensor:

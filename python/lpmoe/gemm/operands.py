@@ -78,9 +78,10 @@ def _weights(b, g: int, name: str = "b"):
     if isinstance(b, (list, tuple)):
         if len(b) != g:
             raise ValueError(f"`{name}` (weights) list has {len(b)} tensors, `a` has {g} groups")
-        shapes = {tuple(w.shape) for w in b}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-            raise ValueError(f"`{name}` (weights) must be {g} tensors of one 2-D (N, K) shape, got {sorted(shapes)}")
+        shape0 = tuple(b[0].shape)  # compared, not hashed: dims may be symbolic under torch.compile
+        if len(shape0) != 2 or any(tuple(w.shape) != shape0 for w in b):
+            raise ValueError(f"`{name}` (weights) must be {g} tensors of one 2-D (N, K) shape, got "
+                             f"{[tuple(w.shape) for w in b]}")
         dts = {w.dtype for w in b}
         devs = {w.device for w in b}
         if len(dts) != 1 or len(devs) != 1:
@@ -88,7 +89,7 @@ def _weights(b, g: int, name: str = "b"):
         for i, w in enumerate(b):
             if not w.is_contiguous():
                 raise ValueError(f"`{name}[{i}]` must be contiguous")
-        n, k = next(iter(shapes))
+        n, k = shape0
         return None, list(b), n, k
     raise TypeError(f"`{name}` (weights) must be a GroupedTensor, a (G, N, K) tensor or a list of (N, K) "
                     f"tensors, got {type(b).__name__}")

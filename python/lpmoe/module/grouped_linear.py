@@ -12,6 +12,21 @@ from lpmoe.functional import WeightCache, grouped_linear
 __all__ = ["GroupedLinear"]
 
 
+def _prepare_workspaces(weights) -> None:
+    """Make the persistent GEMM workspaces of the weights' device now, outside
+    any capture: torch.compile's CUDA-graph trees run warm-up calls inside the
+    graph memory pool, where a workspace made on first use would be a live
+    allocation the pool does not track."""
+    weight = weights[0]
+    if weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] == 9:
+        from lpmoe.gemm.api import prepare_weight_list
+        from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace
+        for slot in (0, 1):
+            gemm_workspace(weight.device, slot)
+        setup_workspace(weight.device, len(weights))
+        prepare_weight_list(weights)
+
+
 class GroupedLinear(torch.nn.Module):
     """G independent linear layers applied to G consecutive row blocks.
 
@@ -72,6 +87,13 @@ class GroupedLinear(torch.nn.Module):
         # Not a buffer: derived from the weights, never saved in checkpoints.
         self.weight_cache = WeightCache()
         self.reset_parameters()
+        _prepare_workspaces(self.weights)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.weight_cache.clear()  # .to() / .cuda() / .bfloat16() replace the parameters
+        out = super()._apply(fn, *args, **kwargs)
+        _prepare_workspaces(self.weights)
+        return out
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -110,10 +132,6 @@ class GroupedLinear(torch.nn.Module):
         self.weight_cache.clear()  # new weights: the cached FP8 copy is stale
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-
-    def _apply(self, fn, *args, **kwargs):
-        self.weight_cache.clear()  # .to() / .cuda() / .bfloat16() replace the parameters
-        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,0 +1,69 @@
+"""GroupedTensor across the custom-op boundary and through torch.compile.
+
+A GroupedTensor is tensors (data, scales, amax, device metadata) plus static
+metadata (member count, logical shape, dtype, quantizer, scale layout).
+
+* :func:`pack` / :func:`unpack` turn it into op arguments: a ``Tensor?[]`` of
+  its fields in a fixed order and a JSON string of the static part.
+* It is registered as a pytree node with the same split, so compiled
+  functions can take and return GroupedTensors and Dynamo guards only on the
+  static part (new routing = new tensor values = no recompilation).
+"""
+from __future__ import annotations
+
+import json
+from typing import List, Optional, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from lpmoe.grouped_tensor import GroupedTensor
+from lpmoe.library import specs
+
+__all__ = ["FIELDS", "pack", "unpack", "meta_of", "grouped_from_meta"]
+
+#: tensor fields in op-argument order (offsets_status last: optional metadata)
+FIELDS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax",
+          "first_dims", "last_dims", "tensor_offsets", "padded_row_offsets", "offsets_status")
+
+
+def meta_of(g: GroupedTensor) -> str:
+    return specs.json_constant({"n": g.num_tensors, "shape": list(g.logical_shape), "dtype": specs.dtype_name(g.dtype),
+                                "q": specs.encode(g.quantizer), "swz": g.with_gemm_swizzled_scales})
+
+
+def pack(g: GroupedTensor) -> Tuple[List[Optional[torch.Tensor]], str]:
+    return [getattr(g, f) for f in FIELDS], meta_of(g)
+
+
+def grouped_from_meta(fields, meta: str) -> GroupedTensor:
+    """Rebuild a GroupedTensor from its fields (a list in FIELDS order, or a
+    dict by name) and :func:`meta_of`'s string; no launch (the offsets come
+    along)."""
+    m = json.loads(meta)
+    named = dict(zip(FIELDS, fields)) if not isinstance(fields, dict) else dict(fields)
+    status = named.pop("offsets_status", None)
+    g = GroupedTensor(num_tensors=m["n"], logical_shape=tuple(m["shape"]), dtype=specs.dtype_from_name(m["dtype"]),
+                      quantizer=specs.decode(m["q"]), with_gemm_swizzled_scales=m["swz"], _trusted_offsets=True,
+                      **named)
+    g.offsets_status = status
+    return g
+
+
+unpack = grouped_from_meta
+
+
+def _flatten(g: GroupedTensor):
+    return [getattr(g, f) for f in FIELDS], meta_of(g)
+
+
+def _unflatten(children, meta: str) -> GroupedTensor:
+    return grouped_from_meta(list(children), meta)
+
+
+def _flatten_with_keys(g: GroupedTensor):
+    return [(pytree.GetAttrKey(f), getattr(g, f)) for f in FIELDS], meta_of(g)
+
+
+pytree.register_pytree_node(GroupedTensor, _flatten, _unflatten, serialized_type_name="lpmoe.GroupedTensor",
+                            flatten_with_keys_fn=_flatten_with_keys)

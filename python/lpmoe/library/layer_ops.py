@@ -1,0 +1,344 @@
+"""The expert layers as custom ops with autograd, for torch.compile.
+
+``lpmoe::grouped_linear`` / ``lpmoe::grouped_linear_backward`` and
+``lpmoe::grouped_mlp`` / ``lpmoe::grouped_mlp_backward`` run the same
+implementation as the eager autograd functions (lpmoe.functional.linear /
+.mlp); ``register_autograd`` connects each forward to its backward.  A
+compiled model therefore holds one opaque node per layer and direction:
+Dynamo and Inductor never trace lpmoe's Python, and the kernels, recipes
+and routing behave exactly as in eager mode (bitwise).
+
+Static configuration (recipe, activation, gradient needs, shapes) travels as
+a JSON string, constant per call site: changing routing (device m_splits
+values) never recompiles.  The forward returns y plus the fresh tensors the
+backward reads (lpmoe.library.saved_layout); inputs the backward reads (x,
+parameters, probs, splits) are saved by ``setup_context``.  The fake
+implementation is the forward itself run on fake tensors: every inner call
+then goes to its op's fake, so shapes come from the code that makes them.
+
+Not available under torch.compile (clear error while tracing):
+``fuse_wgrad_accumulation`` (its main_grad attributes are invisible to the
+traced graph).
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from lpmoe.activation.spec import Activation
+from lpmoe.functional import linear as lin
+from lpmoe.functional import mlp
+from lpmoe.functional.checks import check_recipe
+from lpmoe.functional.splits import Splits, parse_splits
+from lpmoe.functional.weights import WeightCache, cache_by_key
+from lpmoe.library import saved_layout, specs
+from lpmoe.library.routing import OPS, tracing
+from lpmoe.policy import Needs, policy_for
+
+Tensor = torch.Tensor
+
+#: calls of the layer ops' real implementations (tests prove the op ran)
+CALLS = {"grouped_linear": 0, "grouped_linear_backward": 0, "grouped_mlp": 0, "grouped_mlp_backward": 0}
+
+_NO_FUSE = ("fuse_wgrad_accumulation is not supported under torch.compile: the weights' main_grad attributes "
+            "are not visible to the traced graph; compile without it or run this layer eagerly")
+
+
+def backward_args(op, fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
+    """Arguments of the backward op of ``op`` (the grouped_linear or
+    grouped_mlp op) after a forward with ``fwd_args`` returned ``fwd_out``,
+    as the registered autograd formula passes them (tests, opcheck)."""
+    class _Ctx:
+        def save_for_backward(self, *t):
+            self.saved_tensors = t
+    ctx = _Ctx()
+    (_linear_setup if op is _grouped_linear else _mlp_setup)(ctx, fwd_args, fwd_out)
+    host, config, key, k = ctx.meta[:4]
+    return (grad, list(ctx.saved_tensors[1:]), ctx.saved_tensors[0], host, config, key, k)
+
+
+def _cache_key(cache: Optional[WeightCache]) -> int:
+    # Weight caches travel as integer keys (a custom op cannot take a Python object).
+    return -1 if cache is None else cache.key
+
+
+def _splits(m_splits: Optional[Tensor], host: Optional[List[int]], num: int, rows: int, device, fake: bool) -> Splits:
+    if fake:  # shapes only: values are never read; fresh exactly where parse_splits makes a new tensor
+        if m_splits is None or m_splits.device.type == "cpu":
+            return Splits(torch.empty(num, dtype=torch.int64, device=device), host)
+        return Splits(m_splits.to(torch.int64), host)
+    return parse_splits(m_splits if m_splits is not None else host, num, rows, device)
+
+
+def _needs(v) -> Needs:
+    return Needs(*v)
+
+
+def _signature(x: Tensor, m_splits: Optional[Tensor], params: List[Tensor]) -> str:
+    s = "host" if m_splits is None else f"{m_splits.dtype}"
+    return f"{tuple(x.shape)}|{x.dtype}|{x.device.type}|{s}|{len(params)}|{tuple(params[0].shape)}"
+
+
+# =============================================================== linear
+def _linear_config(c: dict, fake: bool) -> lin.LinearConfig:
+    # A cache only serves is_first_microbatch True/False; with None the op
+    # quantizes per call and keeps nothing (under CUDA-graph trees anything
+    # a call keeps alive outside its outputs would break the graph pool).
+    cache = None if fake or c["first"] is None or c["cache"] < 0 else cache_by_key(c["cache"])
+    first = None if cache is None else c["first"]
+    return lin.LinearConfig(policy_for(specs.decode(c["recipe"])), c["num"], c["bias"], cache, first, c["grad"],
+                            _needs(c["need"]), False)
+
+
+def _linear_inputs(x, m_splits, weights, biases) -> Dict[str, Tensor]:
+    d = {"x": x, "s": m_splits}
+    d.update({f"w{i}": w for i, w in enumerate(weights)})
+    d.update({f"b{i}": b for i, b in enumerate(biases or [])})
+    return d
+
+
+def _linear_forward(x, m_splits, host, weights, biases, config, fake):
+    c = json.loads(config)
+    cfg = _linear_config(c, fake)
+    splits = _splits(m_splits, host, c["num"], x.shape[0], x.device, fake)
+    if not fake:
+        CALLS["grouped_linear"] += 1
+        check_recipe(specs.decode(c["recipe"]), x.dtype, weights[0].shape[0], weights[0].shape[1], splits, x.is_cuda,
+                     x.device)
+    out, objs = lin.linear_forward_impl(x, splits, weights, biases, cfg)
+    key = config + "|" + _signature(x, m_splits, weights)
+    return out, saved_layout.flatten(key, objs, _linear_inputs(x, m_splits, weights, biases))
+
+
+@torch.library.custom_op("lpmoe::grouped_linear", mutates_args=())
+def _grouped_linear(x: Tensor, m_splits: Optional[Tensor], host_splits: Optional[List[int]], weights: List[Tensor],
+                    biases: List[Tensor], config: str) -> Tuple[Tensor, List[Tensor]]:
+    return _linear_forward(x, m_splits, host_splits, weights, biases or None, config, fake=False)
+
+
+@_grouped_linear.register_fake
+def _(x, m_splits, host_splits, weights, biases, config):
+    return _linear_forward(x, m_splits, host_splits, weights, biases or None, config, fake=True)
+
+
+def _linear_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake):
+    c = json.loads(config)
+    g, n, k = c["shape"]
+    need = _needs(c["need"])
+    dtype = specs.dtype_from_name(c["dtype"])
+    if fake:
+        out = [torch.empty((grad.shape[0], k), dtype=dtype, device=grad.device)] if need.dgrad else []
+        out += [torch.empty((g, n, k), dtype=dtype, device=grad.device)] if need.wgrad else []
+        return out + ([torch.empty((g, n), dtype=dtype, device=grad.device)] if need.dbias else [])
+    CALLS["grouped_linear_backward"] += 1
+    sx, sw = saved_layout.rebuild(key, saved, num_inputs)
+    splits = _splits(m_splits, host, g, grad.shape[0], grad.device, False)
+    dx, w_grads, b_grads = lin.linear_backward_impl(grad, sx, sw, splits, _linear_config(c, False), (g, n, k), dtype)
+    return ([dx] if need.dgrad else []) + ([w_grads] if need.wgrad else []) + ([b_grads] if need.dbias else [])
+
+
+@torch.library.custom_op("lpmoe::grouped_linear_backward", mutates_args=())
+def _grouped_linear_backward(grad: Tensor, saved: List[Tensor], m_splits: Optional[Tensor],
+                             host_splits: Optional[List[int]], config: str, key: str, num_inputs: int
+                             ) -> List[Tensor]:
+    return _linear_backward_run(grad, saved, m_splits, host_splits, config, key, num_inputs, False)
+
+
+@_grouped_linear_backward.register_fake
+def _(grad, saved, m_splits, host_splits, config, key, num_inputs):
+    return _linear_backward_run(grad, saved, m_splits, host_splits, config, key, num_inputs, True)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, m_splits, host, weights, biases, config = inputs
+    biases = biases or None
+    key = config + "|" + _signature(x, m_splits, weights)
+    tensors, k = saved_layout.inputs_to_save(key, _linear_inputs(x, m_splits, weights, biases))
+    ctx.save_for_backward(m_splits, *tensors, *output[1])
+    ctx.meta = (host, config, key, k, len(weights), biases is not None)
+
+
+def _linear_backward(ctx, grad_out, _grad_saved):
+    host, config, key, k, g, has_bias = ctx.meta
+    m_splits, *saved = ctx.saved_tensors
+    args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
+    res = _grouped_linear_backward(*args) if tracing() else _linear_backward_run(*args, False)
+    need = _needs(json.loads(config)["need"])
+    dx = res.pop(0) if need.dgrad else None
+    dw = list(res.pop(0).unbind(0)) if need.wgrad else None
+    db = list(res.pop(0).unbind(0)) if need.dbias else None
+    return dx, None, None, dw, (db if has_bias else []), None
+
+
+_grouped_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch, need: Needs) -> tuple:
+    """Arguments of ``lpmoe::grouped_linear`` for one call."""
+    tensor = isinstance(m_splits, torch.Tensor)
+    g, (n, k) = len(weights), weights[0].shape
+    config = specs.json_constant({"recipe": specs.encode(recipe), "num": g, "bias": biases is not None,
+                         "cache": _cache_key(weight_cache), "first": is_first_microbatch,
+                         "grad": torch.is_grad_enabled(), "need": [need.dgrad, need.wgrad, need.dbias],
+                         "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype)})
+    return (x2d, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits], list(weights),
+            [] if biases is None else list(biases), config)
+
+
+def grouped_linear(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch,
+                   fuse_wgrad_accumulation: bool, need: Needs) -> Tensor:
+    """lpmoe.functional.grouped_linear while tracing (arguments validated)."""
+    if fuse_wgrad_accumulation:
+        raise NotImplementedError(_NO_FUSE)
+    out, _ = _grouped_linear(*linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache,
+                                             is_first_microbatch, need))
+    return out
+
+
+OPS["grouped_linear"] = grouped_linear
+
+
+# ================================================================== MLP
+def _mlp_layer(c: dict, name: str, policy, fake: bool) -> mlp._Layer:
+    cache = None if fake or c["first"] is None or c[name]["cache"] < 0 else cache_by_key(c[name]["cache"])
+    return mlp._Layer(policy, c["num"], c[name]["bias"], cache, False, tuple(c[name]["shape"]))
+
+
+def _mlp_config(c: dict, fake: bool) -> mlp.MLPConfig:
+    policy = policy_for(specs.decode(c["recipe"]))
+    l1, l2 = _mlp_layer(c, "fc1", policy, fake), _mlp_layer(c, "fc2", policy, fake)
+    first = None if (l1.weight_cache is None or l2.weight_cache is None) else c["first"]
+    need1, need2, need_probs = c["needs"]
+    return mlp.MLPConfig(specs.decode(c["act"]), l1, l2, c["probs"], first, c["grad"],
+                         (_needs(need1), _needs(need2), need_probs))
+
+
+def _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2) -> Dict[str, Tensor]:
+    d = {"x": x, "p": probs, "s": m_splits}
+    for name, ts in (("w1_", w1), ("b1_", b1 or []), ("w2_", w2), ("b2_", b2 or [])):
+        d.update({f"{name}{i}": t for i, t in enumerate(ts)})
+    return d
+
+
+def _mlp_forward(x, probs, m_splits, host, w1, b1, w2, b2, config, fake):
+    c = json.loads(config)
+    cfg = _mlp_config(c, fake)
+    splits = _splits(m_splits, host, c["num"], x.shape[0], x.device, fake)
+    if not fake:
+        CALLS["grouped_mlp"] += 1
+        recipe = specs.decode(c["recipe"])
+        for n, k in (c["fc1"]["shape"][1:], c["fc2"]["shape"][1:]):
+            check_recipe(recipe, x.dtype, n, k, splits, x.is_cuda, x.device)
+    params = list(w1) + list(b1 or []) + list(w2) + list(b2 or [])
+    y, objs = mlp.mlp_forward_impl(x, probs, splits, params, cfg)
+    key = config + "|" + _signature(x, m_splits, w1 + w2)
+    return y, saved_layout.flatten(key, objs, _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2))
+
+
+@torch.library.custom_op("lpmoe::grouped_mlp", mutates_args=())
+def _grouped_mlp(x: Tensor, probs: Optional[Tensor], m_splits: Optional[Tensor], host_splits: Optional[List[int]],
+                 w1: List[Tensor], b1: List[Tensor], w2: List[Tensor], b2: List[Tensor],
+                 config: str) -> Tuple[Tensor, List[Tensor]]:
+    return _mlp_forward(x, probs, m_splits, host_splits, w1, b1 or None, w2, b2 or None, config, fake=False)
+
+
+@_grouped_mlp.register_fake
+def _(x, probs, m_splits, host_splits, w1, b1, w2, b2, config):
+    return _mlp_forward(x, probs, m_splits, host_splits, w1, b1 or None, w2, b2 or None, config, fake=True)
+
+
+def _mlp_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake):
+    c = json.loads(config)
+    cfg = _mlp_config(c, fake)
+    dtype = specs.dtype_from_name(c["dtype"])
+    need1, need2, need_probs = cfg.needs
+    g = c["num"]
+    if fake:
+        dev = grad.device
+        (_, w, hidden), (_, _, ffn) = c["fc1"]["shape"], c["fc2"]["shape"]
+        out = [torch.empty((grad.shape[0], hidden), dtype=dtype, device=dev)] if need1.dgrad else []
+        out += [torch.empty((grad.shape[0],), dtype=specs.dtype_from_name(c["probs_dtype"]), device=dev)] \
+            if need_probs else []
+        for need, (n, k) in ((need1, (w, hidden)), (need2, (hidden, ffn))):
+            out += [torch.empty((g, n, k), dtype=dtype, device=dev)] if need.wgrad else []
+            out += [torch.empty((g, n), dtype=dtype, device=dev)] if need.dbias else []
+        return out
+    CALLS["grouped_mlp_backward"] += 1
+    objs = dict(zip(mlp.SAVED, saved_layout.rebuild(key, saved, num_inputs)))
+    del saved
+    splits = _splits(m_splits, host, g, grad.shape[0], grad.device, False)
+    dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype)
+    out = ([dx] if need1.dgrad else []) + ([dprobs] if need_probs else [])
+    out += ([w1g] if need1.wgrad else []) + ([b1g] if need1.dbias else [])
+    return out + ([w2g] if need2.wgrad else []) + ([b2g] if need2.dbias else [])
+
+
+@torch.library.custom_op("lpmoe::grouped_mlp_backward", mutates_args=())
+def _grouped_mlp_backward(grad: Tensor, saved: List[Tensor], m_splits: Optional[Tensor],
+                          host_splits: Optional[List[int]], config: str, key: str, num_inputs: int) -> List[Tensor]:
+    return _mlp_backward_run(grad, saved, m_splits, host_splits, config, key, num_inputs, False)
+
+
+@_grouped_mlp_backward.register_fake
+def _(grad, saved, m_splits, host_splits, config, key, num_inputs):
+    return _mlp_backward_run(grad, saved, m_splits, host_splits, config, key, num_inputs, True)
+
+
+def _mlp_setup(ctx, inputs, output):
+    x, probs, m_splits, host, w1, b1, w2, b2, config = inputs
+    b1, b2 = b1 or None, b2 or None
+    key = config + "|" + _signature(x, m_splits, w1 + w2)
+    tensors, k = saved_layout.inputs_to_save(key, _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2))
+    ctx.save_for_backward(m_splits, *tensors, *output[1])
+    ctx.meta = (host, config, key, k, len(w1), b1 is not None, b2 is not None)
+
+
+def _mlp_backward(ctx, grad_out, _grad_saved):
+    host, config, key, k, g, has_b1, has_b2 = ctx.meta
+    m_splits, *saved = ctx.saved_tensors
+    args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
+    res = _grouped_mlp_backward(*args) if tracing() else _mlp_backward_run(*args, False)
+    need1, need2, need_probs = (_needs(v) if isinstance(v, list) else v for v in json.loads(config)["needs"])
+    take = lambda flag: list(res.pop(0).unbind(0)) if flag else None  # noqa: E731
+    dx = res.pop(0) if need1.dgrad else None
+    dprobs = res.pop(0) if need_probs else None
+    w1g, b1g = take(need1.wgrad), take(need1.dbias)
+    w2g, b2g = take(need2.wgrad), take(need2.dbias)
+    return (dx, dprobs, None, None, w1g, b1g if has_b1 else [], w2g, b2g if has_b2 else [], None)
+
+
+_grouped_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_first_microbatch, needs) -> tuple:
+    """Arguments of ``lpmoe::grouped_mlp`` for one call (fc1/fc2 are
+    lpmoe.functional.LayerParams)."""
+    tensor = isinstance(m_splits, torch.Tensor)
+    g = len(fc1.weights)
+    need1, need2, need_probs = needs
+
+    def layer(lp):
+        n, k = lp.weights[0].shape
+        return {"cache": _cache_key(lp.weight_cache), "bias": lp.biases is not None, "shape": [g, n, k]}
+
+    config = specs.json_constant({"recipe": specs.encode(recipe), "act": specs.encode(spec), "num": g,
+                         "fc1": layer(fc1), "fc2": layer(fc2), "probs": probs is not None,
+                         "probs_dtype": specs.dtype_name(probs.dtype) if probs is not None else None,
+                         "first": is_first_microbatch, "grad": torch.is_grad_enabled(),
+                         "needs": [[need1.dgrad, need1.wgrad, need1.dbias], [need2.dgrad, need2.wgrad, need2.dbias],
+                                   need_probs], "dtype": specs.dtype_name(x2d.dtype)})
+    return (x2d, probs, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits],
+            list(fc1.weights), list(fc1.biases or []), list(fc2.weights), list(fc2.biases or []), config)
+
+
+def grouped_mlp(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_first_microbatch, needs) -> Tensor:
+    """lpmoe.functional.grouped_mlp while tracing (arguments validated)."""
+    if fc1.fuse_wgrad_accumulation or fc2.fuse_wgrad_accumulation:
+        raise NotImplementedError(_NO_FUSE)
+    y, _ = _grouped_mlp(*mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs))
+    return y
+
+
+OPS["grouped_mlp"] = grouped_mlp
