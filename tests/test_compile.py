@@ -363,6 +363,7 @@ def test_reduce_overhead_replays_new_routing(recipe):
     s = torch.tensor(GPU_ROUTINGS[0], device="cuda")
 
     def step(module, x, probs):
+        torch.compiler.cudagraph_mark_step_begin()  # a new step: earlier replays' outputs may be reused
         x = x.detach().clone().requires_grad_(True)
         with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
             y = module(x, s, probs=probs)
