@@ -27,22 +27,16 @@ from lpmoe.recipe import Float8BlockScaling
 from _common import parser, write_summary
 
 
-class MoEBlock(torch.nn.Module):
-    def __init__(self, hidden, ffn, experts, top_k):
-        super().__init__()
-        self.router = torch.nn.Linear(hidden, experts, bias=False, device="cuda", dtype=torch.bfloat16)
-        self.experts = lpmoe.GroupedMLP(experts, hidden, ffn, params_dtype=torch.bfloat16, device="cuda")
-        self.e, self.k = experts, top_k
-
-    def forward(self, x, _splits=None):
-        probs, idx = torch.topk(torch.softmax(self.router(x).float(), -1), self.k, dim=-1)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.nn.functional.one_hot(flat, self.e).sum(0)
-        rows = x.repeat_interleave(self.k, 0)[order]
-        y = self.experts(rows, counts, probs=probs.reshape(-1)[order].to(x.dtype))
-        out = torch.zeros(flat.numel(), x.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
-        return out.view(-1, self.k, x.shape[1]).sum(1)
+def _moe_block(hidden, ffn, experts, top_k):
+    """examples/compile_moe_block.py's block (router, token sort, GroupedMLP)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "compile_moe_block.py")
+    spec = importlib.util.spec_from_file_location("compile_moe_block", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.MoEBlock(hidden, ffn, experts, top_k, device="cuda")
 
 
 def _splits(tokens, experts):
@@ -112,7 +106,7 @@ def main():
                             recipe, args.iters, args.rounds)
             del mlp
         torch._dynamo.reset()
-        block = MoEBlock(2048, 768, 64, 8)
+        block = _moe_block(2048, 768, 64, 8)
         x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
         out += run_case(f"moe block {rname} T=4096 E=64 k=8", block, x, None, recipe, args.iters, args.rounds)
     write_summary(args.summary, out)

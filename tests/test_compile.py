@@ -268,30 +268,24 @@ def test_compiled_functional_api_cpu():
     assert counter.frame_count == 1
 
 
-class _MoEBlock(torch.nn.Module):
-    """Router (softmax, top-k), token sort by expert, GroupedMLP, weighted
-    un-sort: plain torch ops around lpmoe's experts."""
+def _example():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "compile_moe_block.py")
+    spec = importlib.util.spec_from_file_location("compile_moe_block", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
-    def __init__(self, hidden=128, ffn=64, experts=4, top_k=2, device="cpu"):
-        super().__init__()
-        self.router = torch.nn.Linear(hidden, experts, bias=False, device=device, dtype=torch.bfloat16)
-        self.experts = lpmoe.GroupedMLP(experts, hidden, ffn, params_dtype=torch.bfloat16, device=device)
-        self.e, self.k = experts, top_k
 
-    def forward(self, x):
-        probs, idx = torch.topk(torch.softmax(self.router(x).float(), -1), self.k, dim=-1)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.nn.functional.one_hot(flat, self.e).sum(0)
-        rows = x.repeat_interleave(self.k, 0)[order]
-        y = self.experts(rows, counts, probs=probs.reshape(-1)[order].to(x.dtype))
-        out = torch.zeros(flat.numel(), x.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
-        return out.view(-1, self.k, x.shape[1]).sum(1)
+def _moe_block_class():
+    return _example().MoEBlock
 
 
 def test_moe_block_compiles_as_one_graph_cpu():
     torch.manual_seed(0)
-    block = _MoEBlock()
+    block = _moe_block_class()()
     x = _x(64).requires_grad_(True)
     ex = torch._dynamo.explain(block)(x)
     assert ex.graph_break_count == 0 and ex.graph_count == 1
@@ -383,3 +377,8 @@ def test_reduce_overhead_replays_new_routing(recipe):
         mlp.zero_grad(set_to_none=True)
         ye, dxe = step(mlp, x, probs)
         assert torch.equal(yc, ye) and torch.equal(dxc, dxe), routing
+
+
+def test_compile_example_runs_cpu():
+    y = _example().main(["--device", "cpu", "--fp8"])
+    assert y.shape == (256, 128) and torch.isfinite(y.float()).all()
