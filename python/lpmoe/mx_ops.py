@@ -5,13 +5,13 @@ on the host.
 """
 from __future__ import annotations
 
-from typing import Optional
+
 
 import torch
 
 from lpmoe._ext import ext
 from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles
-from lpmoe.grouped_layout import capacity_sizes, cdiv, output_buffer, rup
+from lpmoe.grouped_layout import capacity_sizes, cdiv, output_buffer
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.library.routing import tracing
 from lpmoe.quantizers import MXFP8Quantizer, NVFP4Quantizer

@@ -48,6 +48,13 @@ def quantize(x: torch.Tensor, quantizer: Quantizer):
     _check_quantizer(quantizer)
     _check_input(x)
     _check_format_shape(quantizer, x.shape[1])
+    if tracing():
+        return OPS["quantize"](x, quantizer)
+    return quantize_impl(x, quantizer)
+
+
+def quantize_impl(x: torch.Tensor, quantizer: Quantizer):
+    """The implementation behind :func:`quantize` (and ``lpmoe::quantize``)."""
     if x.device.type == "cpu":
         return ref_grouped.quantize_member(x, quantizer)
     if isinstance(quantizer, Float8BlockQuantizer):
@@ -59,13 +66,21 @@ def quantize(x: torch.Tensor, quantizer: Quantizer):
 
 def dequantize(t, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize a single-tensor container returned by :func:`quantize`."""
-    from lpmoe.reference import Fp8BlockQuantized, MXFP8Quantized, NVFP4Quantized, dequantize_fp8_block
-    from lpmoe.reference import dequantize_mxfp8, dequantize_nvfp4
+    from lpmoe.reference import Fp8BlockQuantized, MXFP8Quantized, NVFP4Quantized
     if dtype not in _HP:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     if isinstance(t, (Fp8BlockQuantized, MXFP8Quantized, NVFP4Quantized)) and \
             t.data is None and t.columnwise_data is None:
         raise ValueError("quantized tensor holds neither rowwise nor columnwise data")
+    if tracing() and isinstance(t, (Fp8BlockQuantized, MXFP8Quantized, NVFP4Quantized)):
+        return OPS["dequantize"](t, dtype)
+    return dequantize_impl(t, dtype)
+
+
+def dequantize_impl(t, dtype: torch.dtype) -> torch.Tensor:
+    """The implementation behind :func:`dequantize` (and ``lpmoe::dequantize``)."""
+    from lpmoe.reference import Fp8BlockQuantized, MXFP8Quantized, NVFP4Quantized, dequantize_fp8_block
+    from lpmoe.reference import dequantize_mxfp8, dequantize_nvfp4
     if isinstance(t, Fp8BlockQuantized):
         src = t.data if t.data is not None else t.columnwise_data
         if src is None:

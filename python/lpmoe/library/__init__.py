@@ -6,6 +6,7 @@ shapes; CPU tensors run the bit-exact reference through the same ops):
 * ``splits_to_offsets``                          lpmoe.quantize_ops
 * ``group_quantize`` (+ fused dbias), ``group_quantize_into`` (``output=``,
   ``noop_flag``), ``group_dequantize``           FP8 block / MXFP8 / NVFP4
+* ``quantize``, ``dequantize``                     single tensors, every format
 * ``grouped_gemm``, ``grouped_gemm_out`` (``out=``, ``accumulate``)
 * ``activation_forward``, ``activation_backward``
 
@@ -26,6 +27,7 @@ node (lpmoe.library.grouped_codec).
 # The op modules are imported by lpmoe/__init__ (after the modules they wrap).
 
 #: every op lpmoe registers (for opcheck and documentation)
-OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group_dequantize", "grouped_gemm",
+OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group_dequantize", "quantize",
+            "dequantize", "grouped_gemm",
             "grouped_gemm_out", "activation_forward", "activation_backward", "grouped_linear",
             "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward")

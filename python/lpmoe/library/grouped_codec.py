@@ -11,7 +11,6 @@ metadata (member count, logical shape, dtype, quantizer, scale layout).
 """
 from __future__ import annotations
 
-import json
 from typing import List, Optional, Tuple
 
 import torch
@@ -40,7 +39,7 @@ def grouped_from_meta(fields, meta: str) -> GroupedTensor:
     """Rebuild a GroupedTensor from its fields (a list in FIELDS order, or a
     dict by name) and :func:`meta_of`'s string; no launch (the offsets come
     along)."""
-    m = json.loads(meta)
+    m = specs.parse(meta)
     named = dict(zip(FIELDS, fields)) if not isinstance(fields, dict) else dict(fields)
     status = named.pop("offsets_status", None)
     g = GroupedTensor(num_tensors=m["n"], logical_shape=tuple(m["shape"]), dtype=specs.dtype_from_name(m["dtype"]),

@@ -22,7 +22,6 @@ traced graph).
 """
 from __future__ import annotations
 
-import json
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -100,7 +99,7 @@ def _linear_inputs(x, m_splits, weights, biases) -> Dict[str, Tensor]:
 
 
 def _linear_forward(x, m_splits, host, weights, biases, config, fake):
-    c = json.loads(config)
+    c = specs.parse(config)
     cfg = _linear_config(c, fake)
     splits = _splits(m_splits, host, c["num"], x.shape[0], x.device, fake)
     if not fake:
@@ -124,7 +123,7 @@ def _(x, m_splits, host_splits, weights, biases, config):
 
 
 def _linear_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake):
-    c = json.loads(config)
+    c = specs.parse(config)
     g, n, k = c["shape"]
     need = _needs(c["need"])
     dtype = specs.dtype_from_name(c["dtype"])
@@ -165,7 +164,7 @@ def _linear_backward(ctx, grad_out, _grad_saved):
     m_splits, *saved = ctx.saved_tensors
     args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
     res = _grouped_linear_backward(*args) if tracing() else _linear_backward_run(*args, False)
-    need = _needs(json.loads(config)["need"])
+    need = _needs(specs.parse(config)["need"])
     dx = res.pop(0) if need.dgrad else None
     dw = list(res.pop(0).unbind(0)) if need.wgrad else None
     db = list(res.pop(0).unbind(0)) if need.dbias else None
@@ -223,7 +222,7 @@ def _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2) -> Dict[str, Tensor]:
 
 
 def _mlp_forward(x, probs, m_splits, host, w1, b1, w2, b2, config, fake):
-    c = json.loads(config)
+    c = specs.parse(config)
     cfg = _mlp_config(c, fake)
     splits = _splits(m_splits, host, c["num"], x.shape[0], x.device, fake)
     if not fake:
@@ -250,7 +249,7 @@ def _(x, probs, m_splits, host_splits, w1, b1, w2, b2, config):
 
 
 def _mlp_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake):
-    c = json.loads(config)
+    c = specs.parse(config)
     cfg = _mlp_config(c, fake)
     dtype = specs.dtype_from_name(c["dtype"])
     need1, need2, need_probs = cfg.needs
@@ -300,7 +299,7 @@ def _mlp_backward(ctx, grad_out, _grad_saved):
     m_splits, *saved = ctx.saved_tensors
     args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
     res = _grouped_mlp_backward(*args) if tracing() else _mlp_backward_run(*args, False)
-    need1, need2, need_probs = (_needs(v) if isinstance(v, list) else v for v in json.loads(config)["needs"])
+    need1, need2, need_probs = (_needs(v) if isinstance(v, list) else v for v in specs.parse(config)["needs"])
     take = lambda flag: list(res.pop(0).unbind(0)) if flag else None  # noqa: E731
     dx = res.pop(0) if need1.dgrad else None
     dprobs = res.pop(0) if need_probs else None

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["encode", "decode", "dtype_name", "dtype_from_name", "json_constant"]
+__all__ = ["encode", "decode", "dtype_name", "dtype_from_name", "json_constant", "parse"]
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8,
@@ -87,3 +87,10 @@ def json_constant(obj: Any) -> str:
     """``json.dumps(obj, sort_keys=True)`` of static values, kept as a
     constant by Dynamo (see :func:`encode`)."""
     return json.dumps(obj, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(text: str) -> Any:
+    """``json.loads`` of a static argument, parsed once per distinct string
+    (the result is shared: callers must not modify it)."""
+    return json.loads(text)
