@@ -5,8 +5,6 @@ on the host.
 """
 from __future__ import annotations
 
-
-
 import torch
 
 from lpmoe._ext import ext
