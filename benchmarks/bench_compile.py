@@ -18,6 +18,7 @@ mode (>1 = faster than eager).
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -48,20 +49,25 @@ def _splits(tokens, experts):
 
 
 def _time(fn, iters, warmup=3):
+    """(CUDA-event step times, host times to enqueue the step) in ms.  A
+    host time near the step time means the step is launch-bound."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         a.record()
         fn()
         b.record()
+        host.append((time.perf_counter() - t0) * 1e3)
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return times
+    return times, host
 
 
-def run_case(name, module, x, splits, recipe, iters, rounds):
+def run_case(name, module, x, splits, recipe, iters, rounds, profile=False):
     modes = {"eager": module, "compile": torch.compile(module, fullgraph=True),
              "reduce-ovh": torch.compile(module, mode="reduce-overhead", fullgraph=True)}
     xs = x.detach().clone().requires_grad_(True)
@@ -76,16 +82,28 @@ def run_case(name, module, x, splits, recipe, iters, rounds):
         return f
 
     times = {k: [] for k in modes}
+    host = {k: [] for k in modes}
     for _ in range(rounds):
         for k, m in modes.items():
-            times[k] += _time(step(m), iters)
+            t, h = _time(step(m), iters)
+            times[k] += t
+            host[k] += h
     med = {k: statistics.median(v) for k, v in times.items()}
+    hmed = {k: statistics.median(v) for k, v in host.items()}
     spread = {k: (min(v), max(v)) for k, v in times.items()}
     rows = []
     for k in modes:
-        print(f"{name:34s} {k:11s} {med[k]:8.3f} ms  [{spread[k][0]:.3f}, {spread[k][1]:.3f}]  "
+        print(f"{name:34s} {k:11s} {med[k]:8.3f} ms  [{spread[k][0]:.3f}, {spread[k][1]:.3f}]  host {hmed[k]:7.3f} ms  "
               f"eager/mode {med['eager'] / med[k]:.3f}", flush=True)
-        rows.append((f"{name} {k}", f"{med[k]:.3f} ms, eager/mode {med['eager'] / med[k]:.3f}"))
+        rows.append((f"{name} {k}", f"{med[k]:.3f} ms (host {hmed[k]:.3f}), eager/mode {med['eager'] / med[k]:.3f}"))
+    if profile:
+        for k in ("eager", "compile"):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    step(modes[k])()
+                torch.cuda.synchronize()
+            print(f"--- {name} {k}: top host time (5 steps)")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     return rows
 
 
@@ -93,6 +111,7 @@ def main():
     p = parser(__doc__)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="host-time profile of the small FP8 MLP (eager, compile)")
     args = p.parse_args()
     torch.manual_seed(0)
     out = []
@@ -103,7 +122,8 @@ def main():
             mlp = lpmoe.GroupedMLP(experts, hidden, ffn, params_dtype=torch.bfloat16, device="cuda")
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             out += run_case(f"mlp {rname} T={tokens} E={experts} H={hidden}", mlp, x, _splits(tokens, experts),
-                            recipe, args.iters, args.rounds)
+                            recipe, args.iters, args.rounds,
+                            profile=args.profile and recipe is not None and tokens == 4096)
             del mlp
         torch._dynamo.reset()
         block = _moe_block(2048, 768, 64, 8)
