@@ -255,3 +255,55 @@ def test_reduce_overhead_replays_new_routing(recipe):
 def test_compile_example_runs_cpu():
     y = _example().main(["--device", "cpu", "--fp8"])
     assert y.shape == (256, 128) and torch.isfinite(y.float()).all()
+
+
+# ------------------------------------------------ review: edge cases of the op path
+def test_compile_frozen_parameters_cpu():
+    """Frozen weights or biases: the backward returns None for them, in the
+    structure autograd expects (lists for list inputs)."""
+    torch.manual_seed(0)
+    lin = lpmoe.GroupedLinear(4, 128, 64, bias=True, params_dtype=torch.bfloat16, device="cpu")
+    mlp = lpmoe.GroupedMLP(4, 128, 64, bias=True, params_dtype=torch.bfloat16, device="cpu")
+    for w in lin.weights + mlp.linear_fc2.weights + mlp.linear_fc2.biases:
+        w.requires_grad_(False)
+    for module in (lin, mlp):
+        _assert_equal(_run(torch.compile(module, fullgraph=True), _x(), _splits()), _run(module, _x(), _splits()))
+
+
+def test_identical_layers_share_one_compilation_cpu():
+    layers = [lpmoe.GroupedLinear(4, 128, 64, params_dtype=torch.bfloat16, device="cpu") for _ in range(3)]
+
+    def f(x, s):
+        for layer in layers:
+            x = torch.nn.functional.pad(layer(x, s), (0, 64))
+        return x
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    torch.compile(f, fullgraph=True, backend=counter)(_x(), _splits())
+    assert counter.frame_count == 1
+    ex = torch._dynamo.explain(f)(_x(), _splits())
+    assert ex.graph_break_count == 0
+
+
+def test_copied_layer_gets_its_own_weight_cache():
+    import copy
+    lin = lpmoe.GroupedLinear(4, 128, 64, params_dtype=torch.bfloat16, device="cpu")
+    twin = copy.deepcopy(lin)
+    assert twin.weight_cache.key != lin.weight_cache.key and twin.weight_cache.quantized is None
+
+
+def test_user_dispatch_modes_keep_the_eager_path():
+    from torch.utils.flop_counter import FlopCounterMode
+    lin = lpmoe.GroupedLinear(4, 128, 64, params_dtype=torch.bfloat16, device="cpu")
+    before = dict(layer_ops.CALLS)
+    with FlopCounterMode(display=False):
+        lin(_x(), _splits()).sum().backward()
+    assert layer_ops.CALLS == before
+
+
+def test_value_objects_rewrite_their_spec_when_changed():
+    from lpmoe.library import specs
+    from lpmoe.recipe import Format
+    r = Float8BlockScaling()
+    r.fp8_format = Format.HYBRID
+    assert specs.decode(specs.encode(r)) == r

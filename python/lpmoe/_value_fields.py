@@ -4,10 +4,10 @@ from __future__ import annotations
 
 
 class ValueFields:
-    """Subclasses are immutable after construction; each instance also
-    carries its JSON description (``_spec``, lpmoe.library.specs), written
-    once when the outermost ``__init__`` returns, so traced code
-    (torch.compile) reads a constant string instead of running json."""
+    """Each instance carries its JSON description (``_spec``,
+    lpmoe.library.specs), written when the outermost ``__init__`` returns and
+    rewritten when a field is assigned later, so traced code (torch.compile)
+    reads a string instead of running json."""
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -28,6 +28,12 @@ class ValueFields:
 
         __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
         cls.__init__ = __init__
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if not name.startswith("_") and "_spec" in self.__dict__:  # changed after construction: rewrite
+            from lpmoe.library.specs import describe
+            self.__dict__["_spec"] = describe(self)
 
     def _fields(self) -> dict:
         raise NotImplementedError

@@ -131,7 +131,7 @@ class GroupedTensor:
             raise ValueError(f"same-shape group: logical rows {rows} not divisible by num_tensors {n}")
         if kind is ShapeKind.VARYING_BOTH and rows != 1:
             raise ValueError(f"varying-both groups have logical shape (1, total elements), got {logical_shape}")
-        if device.type == "cpu" and not _trusted_offsets and not tracing():
+        if device.type == "cpu" and not tracing():  # (traced: fake tensors hold no values)
             self._check_host_sums()  # host-visible: check sums now (no sync involved)
 
         if tensor_offsets is not None:

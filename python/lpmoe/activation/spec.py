@@ -57,10 +57,17 @@ class Activation(ValueFields):
         return f
 
 
+#: one Activation per name with default parameters, made at import (traced
+#: code looks them up instead of constructing one)
+_BY_NAME = {k: Activation(k) for k in KINDS}
+
+
 def parse_activation(activation: Union[str, Activation]) -> Activation:
     if isinstance(activation, Activation):
         return activation
     if isinstance(activation, str):
-        return Activation(activation.lower())
+        if activation.lower() in _BY_NAME:
+            return _BY_NAME[activation.lower()]
+        return Activation(activation.lower())  # raises the error naming the valid kinds
     raise TypeError(f"activation must be a name ({', '.join(KINDS)}) or an lpmoe.activation.Activation, "
                     f"got {type(activation).__name__}")

@@ -48,8 +48,7 @@ def dgrad_step(policy: LinearPolicy, grad: Grad, saved_w, splits, shape: Tuple[i
 
 
 def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, num: int, dtype: torch.dtype,
-               main_grad_weights: Optional[List[torch.Tensor]] = None
-               ) -> Tuple[List[Optional[torch.Tensor]], Optional[List[torch.Tensor]]]:
+               main_grad_weights: Optional[List[torch.Tensor]] = None):
     """Weight gradients (dy^T . x) and bias gradients (fused ones from
     ``grad.dbias``, else a GEMM against ones).  With ``main_grad_weights``
     (fuse_wgrad_accumulation) the weight gradients are added into their fp32

@@ -65,6 +65,10 @@ def splits_for_checks(m_splits, num: int, rows: int, device: torch.device) -> Sp
             raise ValueError(f"m_splits must have one entry per expert ({num}), got shape {tuple(m_splits.shape)}")
         if m_splits.device.type != "cpu" and m_splits.device != device:
             raise ValueError(f"m_splits is on {m_splits.device} but the input is on {device}")
+        if m_splits.device.type == "cpu":
+            # The host path (the op reads the values when it runs and checks
+            # them then); an empty host list here marks "host, values unread".
+            return Splits(m_splits, [])
         return Splits(m_splits, None)
     host = parse_splits(m_splits, num, rows, torch.device("cpu")).host
     return Splits(None, host)

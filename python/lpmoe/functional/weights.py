@@ -42,6 +42,15 @@ class WeightCache:
         #: float32 device tensor read by the quantize kernel (1.0 = skip writing)
         self.skip_flag: Optional[torch.Tensor] = None
 
+    def __deepcopy__(self, memo) -> "WeightCache":
+        # A copied layer gets its own, empty cache (and its own key): the
+        # cached FP8 weights are derived data, refreshed on the next
+        # is_first_microbatch=True call.
+        return WeightCache()
+
+    def __reduce__(self):
+        return (WeightCache, ())
+
     def clear(self) -> None:
         self.quantized = None
         self.skip_flag = None

@@ -58,15 +58,20 @@ def backward_args(op, fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
     return (grad, list(ctx.saved_tensors[1:]), ctx.saved_tensors[0], host, config, key, k)
 
 
-def _cache_key(cache: Optional[WeightCache]) -> int:
-    # Weight caches travel as integer keys (a custom op cannot take a Python object).
-    return -1 if cache is None else cache.key
+def _cache_key(cache: Optional[WeightCache], is_first_microbatch) -> int:
+    # Weight caches travel as integer keys (a custom op cannot take a Python
+    # object).  Only is_first_microbatch True/False uses a cache; with None no
+    # key goes into the (constant) configuration, so identical layers share
+    # one compiled graph instead of recompiling per instance.
+    return -1 if cache is None or is_first_microbatch is None else cache.key
 
 
 def _splits(m_splits: Optional[Tensor], host: Optional[List[int]], num: int, rows: int, device, fake: bool) -> Splits:
     if fake:  # shapes only: values are never read; fresh exactly where parse_splits makes a new tensor
-        if m_splits is None or m_splits.device.type == "cpu":
+        if m_splits is None:
             return Splits(torch.empty(num, dtype=torch.int64, device=device), host)
+        if m_splits.device.type == "cpu":  # parse_splits reads it: the host path (values unknown here)
+            return Splits(torch.empty(num, dtype=torch.int64, device=device), [0] * num)
         return Splits(m_splits.to(torch.int64), host)
     return parse_splits(m_splits if m_splits is not None else host, num, rows, device)
 
@@ -76,7 +81,7 @@ def _needs(v) -> Needs:
 
 
 def _signature(x: Tensor, m_splits: Optional[Tensor], params: List[Tensor]) -> str:
-    s = "host" if m_splits is None else f"{m_splits.dtype}"
+    s = "host" if m_splits is None else f"{m_splits.dtype}@{m_splits.device.type}"
     return f"{tuple(x.shape)}|{x.dtype}|{x.device.type}|{s}|{len(params)}|{tuple(params[0].shape)}"
 
 
@@ -166,9 +171,10 @@ def _linear_backward(ctx, grad_out, _grad_saved):
     res = _grouped_linear_backward(*args) if tracing() else _linear_backward_run(*args, False)
     need = _needs(specs.parse(config)["need"])
     dx = res.pop(0) if need.dgrad else None
-    dw = list(res.pop(0).unbind(0)) if need.wgrad else None
-    db = list(res.pop(0).unbind(0)) if need.dbias else None
-    return dx, None, None, dw, (db if has_bias else []), None
+    # list inputs get a list back (autograd checks the structure): Nones where not needed
+    dw = list(res.pop(0).unbind(0)) if need.wgrad else [None] * g
+    db = (list(res.pop(0).unbind(0)) if need.dbias else [None] * g) if has_bias else []
+    return dx, None, None, dw, db, None
 
 
 _grouped_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -179,7 +185,7 @@ def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_firs
     tensor = isinstance(m_splits, torch.Tensor)
     g, (n, k) = len(weights), weights[0].shape
     config = specs.json_constant({"recipe": specs.encode(recipe), "num": g, "bias": biases is not None,
-                         "cache": _cache_key(weight_cache), "first": is_first_microbatch,
+                         "cache": _cache_key(weight_cache, is_first_microbatch), "first": is_first_microbatch,
                          "grad": torch.is_grad_enabled(), "need": [need.dgrad, need.wgrad, need.dbias],
                          "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype)})
     return (x2d, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits], list(weights),
@@ -189,7 +195,7 @@ def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_firs
 def grouped_linear(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch,
                    fuse_wgrad_accumulation: bool, need: Needs) -> Tensor:
     """lpmoe.functional.grouped_linear while tracing (arguments validated)."""
-    if fuse_wgrad_accumulation:
+    if fuse_wgrad_accumulation and need.wgrad:
         raise NotImplementedError(_NO_FUSE)
     out, _ = _grouped_linear(*linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache,
                                              is_first_microbatch, need))
@@ -300,12 +306,15 @@ def _mlp_backward(ctx, grad_out, _grad_saved):
     args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
     res = _grouped_mlp_backward(*args) if tracing() else _mlp_backward_run(*args, False)
     need1, need2, need_probs = (_needs(v) if isinstance(v, list) else v for v in specs.parse(config)["needs"])
-    take = lambda flag: list(res.pop(0).unbind(0)) if flag else None  # noqa: E731
+    # list inputs get a list back (autograd checks the structure): Nones where not needed
+    take = lambda flag: list(res.pop(0).unbind(0)) if flag else [None] * g  # noqa: E731
     dx = res.pop(0) if need1.dgrad else None
     dprobs = res.pop(0) if need_probs else None
-    w1g, b1g = take(need1.wgrad), take(need1.dbias)
-    w2g, b2g = take(need2.wgrad), take(need2.dbias)
-    return (dx, dprobs, None, None, w1g, b1g if has_b1 else [], w2g, b2g if has_b2 else [], None)
+    w1g = take(need1.wgrad)
+    b1g = take(need1.dbias) if has_b1 else []
+    w2g = take(need2.wgrad)
+    b2g = take(need2.dbias) if has_b2 else []
+    return (dx, dprobs, None, None, w1g, b1g, w2g, b2g, None)
 
 
 _grouped_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
@@ -320,7 +329,8 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
 
     def layer(lp):
         n, k = lp.weights[0].shape
-        return {"cache": _cache_key(lp.weight_cache), "bias": lp.biases is not None, "shape": [g, n, k]}
+        return {"cache": _cache_key(lp.weight_cache, is_first_microbatch), "bias": lp.biases is not None,
+                "shape": [g, n, k]}
 
     config = specs.json_constant({"recipe": specs.encode(recipe), "act": specs.encode(spec), "num": g,
                          "fc1": layer(fc1), "fc2": layer(fc2), "probs": probs is not None,
@@ -334,7 +344,7 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
 
 def grouped_mlp(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_first_microbatch, needs) -> Tensor:
     """lpmoe.functional.grouped_mlp while tracing (arguments validated)."""
-    if fc1.fuse_wgrad_accumulation or fc2.fuse_wgrad_accumulation:
+    if (fc1.fuse_wgrad_accumulation and needs[0].wgrad) or (fc2.fuse_wgrad_accumulation and needs[1].wgrad):
         raise NotImplementedError(_NO_FUSE)
     y, _ = _grouped_mlp(*mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs))
     return y

@@ -7,9 +7,9 @@ run the same implementation function directly: a Python custom op costs
 ~20 us of host time per call (measured on the CI machine), which a
 launch-bound MoE step would feel, and the result is the same either way.
 
-:func:`tracing` decides: Dynamo is tracing, or a dispatch mode is active
-(FakeTensorMode while shapes are propagated, functionalization and proxy
-modes while AOTAutograd traces, or any mode a user installed).  Inside the
+:func:`tracing` decides: Dynamo is tracing, or one of PyTorch's tracing
+modes is active (FakeTensorMode while shapes are propagated,
+functionalization and proxy modes while AOTAutograd traces).  Inside the
 fake implementations of the layer ops the same rule sends every inner call
 to its op's fake, which is how those layers get their output shapes from
 the code that produces them.
@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["tracing", "OPS"]
 
@@ -27,7 +26,16 @@ __all__ = ["tracing", "OPS"]
 OPS: Dict[str, object] = {}
 
 
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
+
+
 def tracing() -> bool:
     """True when an lpmoe entry point must call its custom op rather than
-    its implementation (see the module docstring)."""
-    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    its implementation (see the module docstring): Dynamo is tracing, or one
+    of PyTorch's tracing modes (fake tensors, proxy tracing,
+    functionalization) is active.  User dispatch modes (FlopCounterMode,
+    debugging modes, selective checkpointing) keep the eager path."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(torch._C._get_dispatch_mode(k) is not None for k in _TRACING_MODES)

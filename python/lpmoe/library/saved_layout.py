@@ -13,8 +13,8 @@ saved objects into
 * a layout (static: structure and GroupedTensor metadata) that rebuilds the
   objects in the backward.
 
-The layout depends only on static arguments, so it is kept in a table under
-a key made of them: the fake implementation (at trace time) and the real one
+The layout follows from the static arguments and the inputs' metadata, so it
+is kept in a table under a key made of them (the layer ops build it): the fake implementation (at trace time) and the real one
 (at run time) produce the same layout, and the backward reads it.  When the
 real forward holds a quantized copy with more directions than the layout
 (e.g. a weight cache kept both), only the layout's buffers are saved.
@@ -92,14 +92,10 @@ def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor]) -> List[t
     layout = tuple(entries)
     if known is None:
         LAYOUTS[key] = layout
-    elif _shape_of(known) != _shape_of(layout):
+    elif known != layout:
         raise RuntimeError("lpmoe: the saved tensors of this call differ from the traced ones "
-                           f"({_shape_of(layout)} vs {_shape_of(known)}); please report this")
+                           f"({layout} vs {known}); please report this")
     return fl.fresh
-
-
-def _shape_of(layout) -> tuple:
-    return tuple((e[0],) + tuple(e[1:2]) for e in layout)
 
 
 def _input_paths(layout) -> List[str]:
