@@ -10,7 +10,7 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import lpmoe
-from _compile_common import ROWS, SPLITS, _splits, _x
+from _compile_common import RECIPES, ROWS, SPLITS, _splits, _x
 from conftest import requires_cuda
 from lpmoe.library import layer_ops
 from lpmoe.recipe import Float8BlockScaling
@@ -70,6 +70,16 @@ def test_compile_grouped_mlp_cpu_new_routing_no_recompile(recipe):
         probs = torch.rand(ROWS)
         _assert_equal(_run(c, _x(seed=i), s, probs, recipe), _run(mlp, _x(seed=i), s, probs, recipe))
     assert counter.frame_count == 1, "new routing must not recompile"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+def test_compile_every_recipe_cpu(recipe):
+    """Every recipe and backward_override through the compiled MLP (biases,
+    probs, a capacity tail), bitwise equal to eager."""
+    mlp = lpmoe.GroupedMLP(4, 128, 64, bias=True, params_dtype=torch.bfloat16, device="cpu")
+    c = torch.compile(mlp, fullgraph=True)
+    probs = torch.rand(ROWS)
+    _assert_equal(_run(c, _x(), _splits(), probs, recipe), _run(mlp, _x(), _splits(), probs, recipe))
 
 
 def test_explain_reports_no_graph_breaks():
