@@ -92,9 +92,12 @@ def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     step = n * k * w0.element_size()
     if tracing():  # fake tensors have no addresses (shape propagation of the compiled layer ops)
         return torch.stack(list(weights)).view(len(weights) * n, k)
-    if all(w.is_contiguous() and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
-           and w.data_ptr() == w0.data_ptr() + i * step for i, w in enumerate(weights)):
-        return w0.detach().as_strided((len(weights) * n, k), (k, 1))
+    ptr0 = w0.data_ptr()
+    if all(w.is_contiguous() and w.data_ptr() == ptr0 + i * step for i, w in enumerate(weights)):
+        # Back to back from w0 on and all inside w0's storage (one storage
+        # query instead of one per weight): the view reads exactly them.
+        if w0.storage_offset() * w0.element_size() + len(weights) * step <= w0.untyped_storage().nbytes():
+            return w0.detach().as_strided((len(weights) * n, k), (k, 1))
     return torch.stack(list(weights)).view(len(weights) * n, k)
 
 

@@ -108,13 +108,17 @@ class GroupedLinear(torch.nn.Module):
 
     @property
     def weights(self) -> List[torch.nn.Parameter]:
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        # straight from the parameter dict: Module.__getattr__ per expert
+        # costs ~1.3 us each, 85 us for 64 experts per call (CI CPU)
+        params = self._parameters
+        return [params[f"weight{i}"] for i in range(self.num_gemms)]
 
     @property
     def biases(self) -> Optional[List[torch.nn.Parameter]]:
         if not self.use_bias:
             return None
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        params = self._parameters
+        return [params[f"bias{i}"] for i in range(self.num_gemms)]
 
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``inp`` (..., in_features) grouped by expert; ``m_splits`` tokens
