@@ -57,3 +57,13 @@ def assert_replays_match_eager(step, m, routings, inputs):
             else:
                 assert torch.equal(got, want)
     return graph, static
+
+
+def load_example(name: str):
+    """Import examples/<name>.py as a module (examples are scripts, not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(_HERE), "examples",
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -11,7 +11,7 @@ import torch._dynamo.testing
 
 import lpmoe
 from _compile_common import RECIPES, ROWS, SPLITS, _splits, _x
-from conftest import requires_cuda
+from conftest import load_example, requires_cuda
 from lpmoe.library import layer_ops
 from lpmoe.recipe import Float8BlockScaling
 
@@ -153,14 +153,7 @@ def test_compile_new_token_count_cpu():
 
 
 def _example():
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                        "compile_moe_block.py")
-    spec = importlib.util.spec_from_file_location("compile_moe_block", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("compile_moe_block")
 
 
 def _moe_block_class():

@@ -1,15 +1,5 @@
 """Short smoke runs of the examples (CI covers them on the CPU)."""
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_example as _load
 
 
 def test_train_moe_lm_smoke(tmp_path):

@@ -52,10 +52,6 @@ def grouped_from_meta(fields, meta: str) -> GroupedTensor:
 unpack = grouped_from_meta
 
 
-def _flatten(g: GroupedTensor):
-    return [getattr(g, f) for f in FIELDS], meta_of(g)
-
-
 def _unflatten(children, meta: str) -> GroupedTensor:
     return grouped_from_meta(list(children), meta)
 
@@ -64,5 +60,6 @@ def _flatten_with_keys(g: GroupedTensor):
     return [(pytree.GetAttrKey(f), getattr(g, f)) for f in FIELDS], meta_of(g)
 
 
-pytree.register_pytree_node(GroupedTensor, _flatten, _unflatten, serialized_type_name="lpmoe.GroupedTensor",
+# The pytree split is the op-argument split: pack's fields are the children.
+pytree.register_pytree_node(GroupedTensor, pack, _unflatten, serialized_type_name="lpmoe.GroupedTensor",
                             flatten_with_keys_fn=_flatten_with_keys)
