@@ -77,6 +77,13 @@ void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind
 void activation_probs_grad(const at::Tensor& partials, int64_t rows, int64_t blocks,
                            const c10::optional<at::Tensor>& used_rows, const at::Tensor& out);
 
+// Token permutation (csrc/permute); see lpmoe/moe/kernels.py.
+void permute_scatter(const at::Tensor& src, const at::Tensor& row_map, const c10::optional<at::Tensor>& scale,
+                     const at::Tensor& dst, const c10::optional<at::Tensor>& zero_from,
+                     const c10::optional<at::Tensor>& dot_with, const c10::optional<at::Tensor>& dot_out, bool raw);
+void permute_gather(const at::Tensor& src, const at::Tensor& row_map, const c10::optional<at::Tensor>& scale,
+                    const at::Tensor& dst);
+
 // Grouped GEMM (csrc/gemm); see lpmoe/gemm.
 int64_t grouped_gemm_setup_bytes(int64_t num_groups);
 // (tile width, cluster) the FP8 fprop/dgrad heuristic picks (csrc/fp8_gemm/heuristics.h).

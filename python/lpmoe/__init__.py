@@ -34,4 +34,6 @@ from lpmoe.module import GroupedLinear, GroupedMLP  # noqa: F401,E402
 from lpmoe import activation  # noqa: F401,E402
 from lpmoe import ops  # noqa: F401,E402
 # torch.ops.lpmoe.* and the GroupedTensor pytree node (lpmoe.library)
+from lpmoe import moe  # noqa: F401,E402
 from lpmoe.library import grouped_codec, quantize_ops, single_ops, gemm_ops, activation_ops, layer_ops  # noqa: F401,E402,E501
+from lpmoe.library import permute_ops  # noqa: F401,E402
