@@ -17,3 +17,10 @@ def test_train_moe_lm_smoke(tmp_path):
         assert h["val"][-1] < 0.8 * 5.545  # ln(256): a uniform guess
     assert abs(hists["fp8"]["val"][-1] / hists["bf16"]["val"][-1] - 1) < 0.05
     assert png.stat().st_size > 10_000
+
+
+def test_moe_layer_example_learns_cpu():
+    ex = _load("moe_layer")
+    losses = ex.main(["--device", "cpu", "--tokens", "256", "--hidden", "64", "--ffn", "32", "--experts", "4",
+                      "--top-k", "2", "--steps", "25"])
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5])

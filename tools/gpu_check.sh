@@ -61,6 +61,10 @@ if [ "$RUN_TESTS" = 1 ]; then
     PYTHONPATH=python python3 examples/moe_mlp.py $extra 2>&1 | tee "$OUT/moe_mlp$extra.log" | tail -4
     summary+=("examples/moe_mlp.py $extra|exit ${PIPESTATUS[0]}: $(grep -i 'tokens/s' "$OUT/moe_mlp$extra.log" | tail -1 | cut -c1-60)")
   done
+  for extra in "--graphs" "--graphs --fp8"; do
+    PYTHONPATH=python python3 examples/moe_layer.py $extra 2>&1 | tee "$OUT/moe_layer.log" | tail -2
+    summary+=("examples/moe_layer.py $extra|exit ${PIPESTATUS[0]}: $(grep -i 'tokens/s' "$OUT/moe_layer.log" | tail -1 | cut -c1-70)")
+  done
 fi
 if [ "$RUN_BENCH" = 1 ]; then
   for b in ${LPMOE_BENCH:-benchmarks/bench_*.py}; do

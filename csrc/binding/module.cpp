@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("activation_probs_grad", &lpmoe::binding::activation_probs_grad);
   m.def("permute_scatter", &lpmoe::binding::permute_scatter);
   m.def("permute_gather", &lpmoe::binding::permute_gather);
+  m.def("router_grid_size", &lpmoe::binding::router_grid_size);
+  m.def("router_topk", &lpmoe::binding::router_topk);
   m.def("grouped_gemm_setup_bytes", &lpmoe::binding::grouped_gemm_setup_bytes);
   m.def("grouped_gemm_cutlass", &lpmoe::binding::grouped_gemm_cutlass);
   m.def("fp8_block_scaled_choice", &lpmoe::binding::fp8_block_scaled_choice);

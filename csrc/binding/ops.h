@@ -84,6 +84,12 @@ void permute_scatter(const at::Tensor& src, const at::Tensor& row_map, const c10
 void permute_gather(const at::Tensor& src, const at::Tensor& row_map, const c10::optional<at::Tensor>& scale,
                     const at::Tensor& dst);
 
+// Fused router scoring (csrc/router); see lpmoe/moe/router_kernel.py.
+int64_t router_grid_size(int64_t tokens);
+void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normalize, const at::Tensor& probs,
+                 const at::Tensor& indices, const c10::optional<at::Tensor>& lse,
+                 const c10::optional<at::Tensor>& affinity);
+
 // Grouped GEMM (csrc/gemm); see lpmoe/gemm.
 int64_t grouped_gemm_setup_bytes(int64_t num_groups);
 // (tile width, cluster) the FP8 fprop/dgrad heuristic picks (csrc/fp8_gemm/heuristics.h).

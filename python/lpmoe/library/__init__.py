@@ -10,6 +10,7 @@ shapes; CPU tensors run the bit-exact reference through the same ops):
 * ``grouped_gemm``, ``grouped_gemm_out`` (``out=``, ``accumulate``)
 * ``activation_forward``, ``activation_backward``
 * ``permute_scatter``, ``permute_gather``           MoE token permutation
+* ``router_topk``                                  fused router scores / top-k
 
 Layers, with autograd registered (``register_autograd``):
 
@@ -31,4 +32,5 @@ node (lpmoe.library.grouped_codec).
 OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group_dequantize", "quantize",
             "dequantize", "grouped_gemm",
             "grouped_gemm_out", "activation_forward", "activation_backward", "grouped_linear",
-            "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "permute_scatter", "permute_gather")
+            "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "permute_scatter", "permute_gather",
+            "router_topk")

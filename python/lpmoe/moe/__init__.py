@@ -12,5 +12,8 @@ Design and measurements: docs/moe-notes.md.
 """
 from lpmoe.moe.routing_map import RoutingMap, routing_map  # noqa: F401
 from lpmoe.moe.permute import permute, permute_fp8, permute_probs, permute_rows, unpermute  # noqa: F401
+from lpmoe.moe.router import RouterOutput, TopKRouter, router_scores  # noqa: F401
+from lpmoe.moe.layer import MoELayer, attach_aux_loss  # noqa: F401
 
-__all__ = ["RoutingMap", "routing_map", "permute", "permute_fp8", "permute_probs", "permute_rows", "unpermute",]
+__all__ = ["RoutingMap", "routing_map", "permute", "permute_fp8", "permute_probs", "permute_rows", "unpermute",
+           "RouterOutput", "TopKRouter", "router_scores", "MoELayer", "attach_aux_loss"]

@@ -1,0 +1,164 @@
+"""MoE layer pieces on one GPU: token permutation against copy bandwidth,
+the router against its memory floor, and the share of a full MoE layer
+step spent outside the expert MLP.
+
+    python benchmarks/bench_moe.py [--tokens 65536 --topk 8 --hidden 7168]
+
+Bytes counted (the minimum any implementation moves):
+  permute           read T*H, write T*k*H          (each token read once)
+  unpermute         read T*k*H, write T*H
+  unpermute+probs   the same (the probabilities are T*k*4 bytes)
+  their backwards   the mirror images; unpermute's backward with probs also
+                    reads the expert outputs for d probs (T*k*H more)
+  router            read logits T*E*4, write probs + indices T*k*(4+8)
+Each ratio divides achieved bandwidth (bytes / time) by the device copy
+bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from _common import copy_bandwidth_gbs, median_ms, parser, write_summary
+
+import lpmoe
+from lpmoe.moe import kernels, permute_probs, routing_map, router_scores
+from lpmoe.recipe import Float8BlockScaling
+
+
+def graph_us(fn, reps=10):
+    """GPU time of one fn() call without the host: ``reps`` calls captured in
+    one CUDA graph, replays timed (the graph-safe path's cost)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return median_ms(g.replay, warmup=3, iters=15, reps=3) * 1e3 / reps
+
+
+def _torch_router(logits, k):
+    s = torch.softmax(logits, dim=-1)
+    top, idx = torch.topk(s, k, dim=-1)
+    return top / top.sum(-1, keepdim=True), idx
+
+
+def _indices(t, k, e, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.rand(t, e, generator=g, device="cuda").topk(k, dim=-1).indices
+
+
+def bench_permutation(t, k, h, copy_gbs, rows):
+    e = 64
+    idx = _indices(t, k, e)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    rm = routing_map(idx, e)
+    probs = torch.rand(t, k, device="cuda")
+    xg = kernels.scatter(x, rm.row_map, rm.num_rows, zero_from=rm.used_rows)[0]
+    dy = torch.randn_like(x)
+    tok, slots = t * h * 2, t * k * h * 2
+    cases = [
+        ("routing_map", lambda: routing_map(idx, e), None),
+        ("permute", lambda: kernels.scatter(x, rm.row_map, rm.num_rows, zero_from=rm.used_rows), tok + slots),
+        ("unpermute", lambda: kernels.gather(xg, rm.row_map), tok + slots),
+        ("unpermute+probs", lambda: kernels.gather(xg, rm.row_map, scale=probs), tok + slots),
+        ("unpermute+probs bwd", lambda: kernels.scatter(dy, rm.row_map, rm.num_rows, scale=probs,
+                                                        zero_from=rm.used_rows, dot_with=xg), tok + 2 * slots),
+        ("permute bwd", lambda: kernels.gather(xg, rm.row_map), tok + slots),
+        ("permute_probs", lambda: permute_probs(probs, rm), None),
+    ]
+    rm_us = graph_us(lambda: routing_map(idx, e))
+    print(f"  routing_map GPU time (graph replay): {rm_us:.1f} us")
+    rows.append((f"moe routing_map GPU time T={t} k={k}", f"{rm_us:.0f} us"))
+    out = []
+    for name, fn, nbytes in cases:
+        ms = statistics.median(median_ms(fn, warmup=3, iters=9, reps=5) for _ in range(3))
+        if nbytes is None:
+            print(f"  {name:22s} {ms * 1e3:9.1f} us")
+            out.append((f"moe {name} T={t} k={k}", f"{ms * 1e3:.0f} us"))
+        else:
+            ratio = nbytes / ms / 1e6 / copy_gbs
+            print(f"  {name:22s} {ms * 1e3:9.1f} us  {nbytes / ms / 1e6:7.0f} GB/s  {ratio:.2f} of copy")
+            out.append((f"moe {name} T={t} k={k} H={h}", f"{ratio:.2f} of copy"))
+    rows += out
+
+
+def bench_router(t, e, k, copy_gbs, rows):
+    logits = torch.randn(t, e, device="cuda")
+    floor_bytes = t * e * 4 + t * k * 12
+    floor_us = floor_bytes / copy_gbs / 1e3
+    for aux in (0.0, 0.01):
+        ms = median_ms(lambda: router_scores(logits, k, "softmax", True, aux_loss_coeff=aux), warmup=3, iters=15)
+        print(f"  router T={t} E={e} k={k} aux={aux}: {ms * 1e3:.1f} us, floor {floor_us:.1f} us "
+              f"({ms * 1e3 / floor_us:.1f}x)")
+        rows.append((f"router T={t} E={e} k={k} aux={aux}", f"{ms * 1e3 / floor_us:.1f}x floor"))
+    # GPU time alone (CUDA graph replay): the fused kernel vs the same math as PyTorch ops
+    fused = graph_us(lambda: router_scores(logits, k, "softmax", True, aux_loss_coeff=0.01, z_loss_coeff=1e-3))
+    plain = graph_us(lambda: _torch_router(logits, k))
+    print(f"  GPU time (graph replay): lpmoe router (fused kernel + losses) {fused:.1f} us = {fused / floor_us:.1f}x "
+          f"floor; PyTorch softmax+topk+normalize {plain:.1f} us = {plain / floor_us:.1f}x floor")
+    rows.append((f"router GPU time T={t} E={e} k={k}", f"{fused / floor_us:.1f}x floor (PyTorch ops "
+                                                      f"{plain / floor_us:.1f}x)"))
+
+
+def bench_layer(t, h, f, e, k, fp8, rows):
+    torch.manual_seed(0)
+    layer = lpmoe.moe.MoELayer(h, f, e, k, params_dtype=torch.bfloat16, aux_loss_coeff=0.01)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # the expert MLP alone, on the rows this routing produces
+    with torch.no_grad():
+        r = layer.router(x)
+        rm = routing_map(r.indices, e)
+        xg = kernels.scatter(x.detach(), rm.row_map, rm.num_rows, zero_from=rm.used_rows)[0].requires_grad_()
+        pg = permute_probs(r.probs, rm)
+    gy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    gyg = torch.randn(rm.num_rows, h, device="cuda", dtype=torch.bfloat16)
+
+    def full():
+        layer(x).backward(gy)
+
+    def mlp():
+        layer.experts(xg, rm.m_splits, probs=pg).backward(gyg)
+
+    with lpmoe.autocast(enabled=fp8, recipe=Float8BlockScaling()):
+        t_full, t_mlp = [], []
+        for _ in range(3):  # interleaved
+            t_full.append(median_ms(full, warmup=2, iters=7, reps=2))
+            t_mlp.append(median_ms(mlp, warmup=2, iters=7, reps=2))
+    a, b = statistics.median(t_full), statistics.median(t_mlp)
+    tag = "fp8" if fp8 else "bf16"
+    share = 1 - b / a
+    print(f"  layer {tag} T={t} E={e} k={k}: step {a:.2f} ms (spread {min(t_full):.2f}-{max(t_full):.2f}), "
+          f"expert MLP alone {b:.2f} ms -> {share * 100:.1f}% outside the MLP; "
+          f"{t / a * 1e3:,.0f} tokens/s")
+    rows.append((f"layer {tag} T={t} outside MLP", f"{share * 100:.1f}%"))
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168)
+    args = p.parse_args()
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device copy: {copy_gbs:.0f} GB/s")
+    rows = [("device copy", f"{copy_gbs:.0f} GB/s")]
+    print("permutation:")
+    bench_permutation(args.tokens, args.topk, args.hidden, copy_gbs, rows)
+    if not args.quick:
+        bench_permutation(4096, args.topk, args.hidden, copy_gbs, rows)
+    print("router:")
+    bench_router(args.tokens, 64, args.topk, copy_gbs, rows)
+    print("MoE layer (DeepSeek-V3 expert shapes, 64 experts, one GPU):")
+    for fp8 in (True, False):
+        bench_layer(8192, args.hidden, 2048, 64, 8, fp8, rows)
+    write_summary(args.summary, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+// Fused router scoring: scores of every expert, top-k selection, the
+// renormalised probabilities, and what the auxiliary losses need, in one
+// pass over the logits (one warp per token).
+//
+//   scores   softmax(l) or sigmoid(l) in fp32 (expf)
+//   top-k    k rounds of a warp argmax; ties go to the lower expert index
+//   probs    v_j / sum_j v_j in selection order (normalize), else v_j
+//   lse      logsumexp(l) per token (the z-loss), optional
+//   affinity per-CTA partial sums over tokens of s' (s for softmax,
+//            s / sum_e s for sigmoid), (grid, experts), optional; the caller
+//            reduces them in a fixed order (deterministic)
+//
+// Limits: experts <= kMaxExperts, k <= 32 (callers use PyTorch ops beyond).
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+#include "common/dtypes.h"
+
+namespace lpmoe {
+namespace router {
+
+constexpr int kMaxExperts = 512;
+constexpr int kMaxTopK = 32;
+constexpr int kWarpsPerCta = 8;
+
+struct TopKArgs {
+  const void* logits = nullptr;  // (tokens, experts) row-major
+  DType dtype = DType::kFloat32; // fp32, bf16 or fp16
+  int64_t tokens = 0;
+  int experts = 0;
+  int k = 1;
+  bool sigmoid = false;
+  bool normalize = true;
+  float* probs = nullptr;        // (tokens, k)
+  int64_t* indices = nullptr;    // (tokens, k)
+  float* lse = nullptr;          // (tokens,) or null
+  float* affinity = nullptr;     // (grid, experts) or null
+};
+
+// CTAs a launch uses (the rows of `affinity`).
+int grid_size(int64_t tokens, int sm_count);
+cudaError_t launch_topk(const TopKArgs& args, int sm_count, cudaStream_t stream);
+
+}  // namespace router
+}  // namespace lpmoe

@@ -1,0 +1,241 @@
+"""lpmoe.moe.TopKRouter and MoELayer: router formulas against loops, the
+layer against a per-token loop, aux-loss training, capacity drops, the
+global expert numbering, expert parallelism (EP=2 vs EP=1) and DDP / FSDP2
+over gloo in two processes on the CPU; on the GPU: CUDA graphs with new
+routing per replay, no host syncs, FP8."""
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lpmoe
+from conftest import requires_cuda
+from lpmoe.moe import MoELayer, TopKRouter, kernels, router_scores
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_scores_match_formulas(score, normalize):
+    torch.manual_seed(0)
+    t, e, k = 40, 8, 3
+    logits = torch.randn(t, e, dtype=torch.float64)
+    out = router_scores(logits, k, score, normalize, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    s = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    counts = torch.zeros(e)
+    for ti in range(t):
+        order = sorted(range(e), key=lambda i: -float(s[ti, i]))[:k]
+        assert sorted(out.indices[ti].tolist()) == sorted(order)
+        v = s[ti, order]
+        want = v / v.sum() if normalize else v
+        assert torch.allclose(out.probs[ti].double(), want.sort(descending=True).values, atol=1e-6)
+        for i in order:
+            counts[i] += 1
+    assert out.tokens_per_expert.tolist() == counts.long().tolist()
+    aff = s if score == "softmax" else s / s.sum(-1, keepdim=True)
+    aux = 0.1 * e / (t * k) * sum(float(counts[i]) * float(aff[:, i].mean()) for i in range(e))
+    z = 0.01 * float((torch.logsumexp(logits, -1) ** 2).mean())
+    assert abs(float(out.aux_loss) - (aux + z)) < 1e-5
+
+
+def test_router_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="top_k"):
+        TopKRouter(8, 4, 5, device="cpu")
+    with pytest.raises(ValueError, match="score"):
+        TopKRouter(8, 4, 2, score="relu", device="cpu")
+    with pytest.raises(ValueError, match="aux_loss_coeff"):
+        TopKRouter(8, 4, 2, aux_loss_coeff=-1.0, device="cpu")
+    with pytest.raises(ValueError, match="x must be"):
+        TopKRouter(8, 4, 2, device="cpu")(torch.randn(3, 9))
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MoELayer(8, 8, 4, 2, capacity_factor=0, device="cpu")
+    with pytest.raises(ValueError, match="dispatch_fp8"):
+        MoELayer(8, 8, 4, 2, dispatch_fp8=True, device="cpu")
+
+
+def _loop_layer(layer, x):
+    """y_t = sum_j p_tj * fc2_e(swiglu(fc1_e(x_t))) token by token, fp32."""
+    r = layer.router(x)
+    f = layer.experts.ffn_hidden_size
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(layer.top_k):
+            e = int(r.indices[t, j])
+            h = x[t].float() @ layer.experts.linear_fc1.get_parameter(f"weight{e}").float().t()
+            a = F.silu(h[:f]) * h[f:]
+            out[t] += r.probs[t, j] * (a @ layer.experts.linear_fc2.get_parameter(f"weight{e}").float().t())
+    return out
+
+
+def test_moe_layer_matches_token_loop_and_trains_aux_loss():
+    torch.manual_seed(1)
+    layer = MoELayer(32, 16, 6, 2, device="cpu", params_dtype=torch.float32, aux_loss_coeff=0.05,
+                     z_loss_coeff=0.001)
+    x = torch.randn(2, 13, 32, requires_grad=True)
+    before = dict(kernels.CALLS)
+    y = layer(x)
+    assert kernels.CALLS["reference_scatter"] > before["reference_scatter"]
+    assert torch.allclose(y.detach().reshape(-1, 32), _loop_layer(layer, x.detach().reshape(-1, 32)), atol=1e-5)
+    w = torch.randn_like(y)
+    (y * w).sum().backward()
+    g_attached = layer.router.weight.grad.clone()
+    # the same gradient with the aux loss switched off, plus the aux loss's own
+    layer.zero_grad()
+    layer.router.aux_loss_coeff = layer.router.z_loss_coeff = 0.0
+    (layer(x.detach()) * w).sum().backward()
+    g_main = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    layer.router.aux_loss_coeff, layer.router.z_loss_coeff = 0.05, 0.001
+    r = layer.router(x.detach().reshape(-1, 32))
+    r.aux_loss.backward()
+    assert float(r.aux_loss) > 0
+    assert torch.allclose(g_attached, g_main + layer.router.weight.grad, atol=1e-6)
+    layer(x.detach())
+    assert float(layer.aux_loss) == pytest.approx(float(r.aux_loss.detach()), rel=1e-6)
+
+
+def test_moe_layer_capacity_drops_are_counted_and_zero():
+    torch.manual_seed(2)
+    layer = MoELayer(16, 8, 4, 1, device="cpu", params_dtype=torch.float32, capacity_factor=0.5)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0] = 1.0            # every token prefers expert 0
+    x = torch.rand(20, 16) + 0.1
+    y = layer(x)
+    cap = layer.capacity(20)                    # ceil(0.5 * 20 / 4) = 3
+    assert cap == 3 and int(layer.tokens_dropped) == 20 - cap
+    assert torch.count_nonzero(y.abs().sum(1)) == cap   # only the first `cap` tokens got an output
+
+
+def test_moe_layer_compiles_fullgraph_cpu():
+    torch.manual_seed(3)
+    layer = MoELayer(32, 16, 4, 2, device="cpu", params_dtype=torch.float32, aux_loss_coeff=0.01)
+    x = torch.randn(24, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yc = compiled(xc)
+    yc.sum().backward()
+    gc = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    ye = layer(xe)
+    ye.sum().backward()
+    assert torch.allclose(yc, ye, atol=1e-6) and torch.allclose(xc.grad, xe.grad, atol=1e-6)
+    assert torch.allclose(gc, layer.router.weight.grad, atol=1e-6)
+
+
+def _spawn(fn, *args):
+    import torch.multiprocessing as mp
+    mp.spawn(fn, args=(2, _free_port()) + args, nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("mode", ["host", "capacity", "fp8"])
+def test_expert_parallel_two_ranks_equals_one(mode):
+    import _moe_dist_worker
+    _spawn(_moe_dist_worker.expert_parallel, mode)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_data_parallel_grads_equal_single_process(mode):
+    import _moe_dist_worker
+    _spawn(_moe_dist_worker.data_parallel, mode)
+
+
+def test_state_dict_global_numbering_single_process():
+    from lpmoe.moe.expert_numbering import register_global_expert_numbering
+    full = MoELayer(16, 8, 4, 1, device="cpu", params_dtype=torch.float32)
+    part = MoELayer(16, 8, 2, 1, device="cpu", params_dtype=torch.float32)
+    part.router = TopKRouter(16, 4, 1, device="cpu", params_dtype=torch.float32)
+    register_global_expert_numbering(part, "experts.", 2, 2)      # as EP rank 1 of 2
+    part.load_state_dict(full.state_dict())
+    assert torch.equal(part.experts.linear_fc1.weight0, full.experts.linear_fc1.weight2)
+    assert sorted(k for k in part.state_dict() if "experts" in k) == sorted(
+        k for k in full.state_dict() if k.endswith(("weight2", "weight3")) and "experts" in k)
+
+
+# ---------------------------------------------------------------------- GPU
+@requires_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_moe_layer_graphed_new_routing_no_sync(fp8):
+    from lpmoe.activation import kernels as act_kernels
+    from lpmoe.recipe import Float8BlockScaling
+    torch.manual_seed(4)
+    layer = MoELayer(256, 128, 8, 2, params_dtype=torch.bfloat16, aux_loss_coeff=0.01)
+    eager = MoELayer(256, 128, 8, 2, params_dtype=torch.bfloat16, aux_loss_coeff=0.01)
+    eager.load_state_dict(layer.state_dict())   # make_graphed_callables replaces layer.forward
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with lpmoe.autocast(enabled=fp8, recipe=Float8BlockScaling()):
+        graphed = torch.cuda.make_graphed_callables(layer, (x,))
+        before = dict(kernels.CALLS)
+        fused = act_kernels.CALLS["fused_forward"]
+        for seed in range(3):
+            torch.manual_seed(10 + seed)
+            xi = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            xe = xi.detach().clone().requires_grad_()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                y = graphed(xi)
+                y.float().square().sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            ye = eager(xe)
+            ye.float().square().sum().backward()
+            assert torch.equal(y, ye) and torch.equal(xi.grad, xe.grad)
+            for p, q in zip(layer.parameters(), eager.parameters()):
+                assert torch.equal(p.grad, q.grad)
+            layer.zero_grad()
+            eager.zero_grad()
+        assert kernels.CALLS["kernel_scatter"] > before["kernel_scatter"]
+        if fp8:
+            assert act_kernels.CALLS["fused_forward"] > fused
+
+
+def test_router_topk_op_opcheck_cpu():
+    from torch.library import opcheck
+    opcheck(torch.ops.lpmoe.router_topk, (torch.randn(12, 8), 3, False, True))
+    opcheck(torch.ops.lpmoe.router_topk, (torch.randn(12, 8), 2, True, False))
+
+
+@requires_cuda
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("e,k,dtype", [(64, 8, torch.float32), (256, 8, torch.bfloat16), (8, 2, torch.float32),
+                                       (512, 32, torch.float32), (33, 3, torch.float16)])
+def test_gpu_fused_router_matches_torch(score, e, k, dtype):
+    from lpmoe.moe import router_kernel
+    torch.manual_seed(5)
+    # distinct logits per token (multiples of 1/64, exact in bf16/fp16): no ties, so the
+    # selection is unique (tie order is the kernel's own: see the edge-case test)
+    ranks = torch.stack([torch.randperm(e) for _ in range(1000)]).float()
+    logits = (ranks / 64 - e / 128).to(dtype).cuda().requires_grad_()
+    w = torch.randn(1000, k, device="cuda")
+    before = dict(router_kernel.CALLS)
+    out = router_scores(logits, k, score, True, aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    assert router_kernel.CALLS["fused_router"] == before["fused_router"] + 1
+    assert router_kernel.CALLS["torch_router"] == before["torch_router"]
+    ref_logits = logits.detach().cpu().float().requires_grad_()
+    ref = router_scores(ref_logits, k, score, True, aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    assert torch.equal(out.indices.cpu(), ref.indices)
+    assert torch.equal(out.tokens_per_expert.cpu(), ref.tokens_per_expert)
+    assert torch.allclose(out.probs.cpu(), ref.probs, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out.aux_loss.cpu(), ref.aux_loss, rtol=1e-5)
+    ((out.probs * w).sum() + out.aux_loss).backward()
+    ((ref.probs * w.cpu()).sum() + ref.aux_loss).backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(logits.grad.float().cpu(), ref_logits.grad, rtol=tol, atol=tol)
+    again = router_scores(logits.detach(), k, score, True, aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    assert torch.equal(again.aux_loss, out.aux_loss.detach()) and torch.equal(again.probs, out.probs.detach())
+
+
+@requires_cuda
+def test_gpu_fused_router_edge_cases():
+    empty = router_scores(torch.empty(0, 16, device="cuda"), 2, aux_loss_coeff=0.1, z_loss_coeff=0.1)
+    assert empty.probs.shape == (0, 2) and float(empty.aux_loss) == 0.0
+    tie = router_scores(torch.zeros(4, 16, device="cuda"), 3)          # all equal: lowest indices
+    assert tie.indices.tolist() == [[0, 1, 2]] * 4
+    assert torch.allclose(tie.probs, torch.full((4, 3), 1 / 3, device="cuda"))
