@@ -88,7 +88,7 @@ void permute_gather(const at::Tensor& src, const at::Tensor& row_map, const c10:
 int64_t router_grid_size(int64_t tokens);
 void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normalize, const at::Tensor& probs,
                  const at::Tensor& indices, const c10::optional<at::Tensor>& lse,
-                 const c10::optional<at::Tensor>& affinity);
+                 const c10::optional<at::Tensor>& affinity, const c10::optional<at::Tensor>& counts);
 
 // Grouped GEMM (csrc/gemm); see lpmoe/gemm.
 int64_t grouped_gemm_setup_bytes(int64_t num_groups);

@@ -15,7 +15,7 @@ int64_t router_grid_size(int64_t tokens) {
 
 void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normalize, const at::Tensor& probs,
                  const at::Tensor& indices, const c10::optional<at::Tensor>& lse,
-                 const c10::optional<at::Tensor>& affinity) {
+                 const c10::optional<at::Tensor>& affinity, const c10::optional<at::Tensor>& counts) {
   check_cuda(logits, "logits");
   check_contiguous(logits, "logits");
   TORCH_CHECK(logits.dim() == 2, "lpmoe: `logits` must be (tokens, experts), got ", logits.sizes());
@@ -47,6 +47,10 @@ void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normali
   if (affinity.has_value()) {
     check_out(*affinity, at::kFloat, router_grid_size(t) * e, "affinity");
     a.affinity = affinity->data_ptr<float>();
+  }
+  if (counts.has_value()) {
+    check_out(*counts, at::kInt, router_grid_size(t) * e, "counts");
+    a.counts = counts->data_ptr<int32_t>();
   }
   const c10::cuda::CUDAGuard guard(logits.device());
   LPMOE_CHECK_LAUNCH(router::launch_topk(a, at::cuda::getCurrentDeviceProperties()->multiProcessorCount,

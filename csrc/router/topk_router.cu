@@ -50,7 +50,10 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kThreads) topk_kernel(TopKArgs a) {
   __shared__ float s_aff[kWarpsPerCta][kPerLane * 32];
+  __shared__ int32_t s_count[kPerLane * 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int e = threadIdx.x; e < kPerLane * 32; e += kThreads) s_count[e] = 0;
+  __syncthreads();
   const T* logits = static_cast<const T*>(a.logits);
   float aff[kPerLane];
 #pragma unroll
@@ -115,7 +118,12 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(TopKArgs a) {
     if (lane < a.k) {
       a.probs[t * a.k + lane] = a.normalize ? mine_v / picked : mine_v;
       a.indices[t * a.k + lane] = mine_i;
+      if (a.counts != nullptr && mine_i < a.experts) atomicAdd(&s_count[mine_i], 1);
     }
+  }
+  if (a.counts != nullptr) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < a.experts; e += kThreads) a.counts[int64_t(blockIdx.x) * a.experts + e] = s_count[e];
   }
   if (a.affinity != nullptr) {
 #pragma unroll

@@ -9,6 +9,8 @@
 //   affinity per-CTA partial sums over tokens of s' (s for softmax,
 //            s / sum_e s for sigmoid), (grid, experts), optional; the caller
 //            reduces them in a fixed order (deterministic)
+//   counts   per-CTA slots per expert, (grid, experts) int32, optional
+//            (shared-memory integer atomics: exact)
 //
 // Limits: experts <= kMaxExperts, k <= 32 (callers use PyTorch ops beyond).
 #pragma once
@@ -37,6 +39,7 @@ struct TopKArgs {
   int64_t* indices = nullptr;    // (tokens, k)
   float* lse = nullptr;          // (tokens,) or null
   float* affinity = nullptr;     // (grid, experts) or null
+  int32_t* counts = nullptr;     // (grid, experts) slots per expert per CTA, or null
 };
 
 // CTAs a launch uses (the rows of `affinity`).

@@ -56,7 +56,7 @@ def router_scores(logits: torch.Tensor, top_k: int, score: str = "softmax", norm
     t, e = logits.shape
     sigmoid = score == "sigmoid"
     if router_kernel.fused_available(logits, top_k):
-        probs, idx, lse, affinity_sum = router_kernel.fused_scores(logits, top_k, sigmoid, normalize)
+        probs, idx, lse, affinity_sum, counts = router_kernel.fused_scores(logits, top_k, sigmoid, normalize)
     else:
         router_kernel.CALLS["torch_router"] += 1
         logits = logits.float()
@@ -65,8 +65,8 @@ def router_scores(logits: torch.Tensor, top_k: int, score: str = "softmax", norm
         probs = top / top.sum(-1, keepdim=True) if normalize else top
         lse = torch.logsumexp(logits, dim=-1)
         affinity_sum = (scores / scores.sum(-1, keepdim=True) if sigmoid else scores).sum(0)
-    counts = torch.zeros(e, dtype=torch.int64, device=logits.device).scatter_add_(
-        0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.int64, device=logits.device))
+        counts = torch.zeros(e, dtype=torch.int64, device=logits.device).scatter_add_(
+            0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.int64, device=logits.device))
     aux = torch.zeros((), dtype=torch.float32, device=logits.device)
     if aux_loss_coeff and t > 0:
         aux = aux + aux_loss_coeff * e / (t * top_k) * (counts.float() * affinity_sum / t).sum()

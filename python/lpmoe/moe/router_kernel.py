@@ -38,7 +38,7 @@ def _fake(logits, k, sigmoid, normalize):
     t, e = logits.shape
     f = dict(dtype=torch.float32, device=logits.device)
     return [torch.empty(t, k, **f), torch.empty(t, k, dtype=torch.int64, device=logits.device),
-            torch.empty(t, **f), torch.empty(e, **f)]
+            torch.empty(t, **f), torch.empty(e, **f), torch.empty(e, dtype=torch.int64, device=logits.device)]
 
 
 @define("router_topk", _fake)
@@ -54,14 +54,19 @@ def _impl(logits, k, sigmoid, normalize):
         top, idx = torch.topk(s, k, dim=-1)
         probs = top / top.sum(-1, keepdim=True) if normalize else top
         aff = (s / s.sum(-1, keepdim=True) if sigmoid else s).sum(0)
-        return [probs, idx, torch.logsumexp(l, dim=-1), aff]
+        counts = torch.zeros(e, dtype=torch.int64).scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(),
+                                                                                             dtype=torch.int64))
+        return [probs, idx, torch.logsumexp(l, dim=-1), aff, counts]
     logits = logits.contiguous()
     f = dict(dtype=torch.float32, device=logits.device)
     probs, idx = torch.empty(t, k, **f), torch.empty(t, k, dtype=torch.int64, device=logits.device)
     lse = torch.empty(t, **f)
-    partial = torch.empty(ext().router_grid_size(t), e, **f)
-    ext().router_topk(logits, k, sigmoid, normalize, probs, idx, lse, partial)
-    return [probs, idx, lse, partial.sum(0)]  # fixed-order reduction: deterministic
+    grid = ext().router_grid_size(t)
+    partial = torch.empty(grid, e, **f)
+    counts = torch.empty(grid, e, dtype=torch.int32, device=logits.device)
+    ext().router_topk(logits, k, sigmoid, normalize, probs, idx, lse, partial, counts)
+    # fixed-order reductions of the per-CTA partials: deterministic
+    return [probs, idx, lse, partial.sum(0), counts.sum(0, dtype=torch.int64)]
 
 
 def _scores(logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
@@ -71,15 +76,15 @@ def _scores(logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
 class _FusedScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, k, sigmoid, normalize):
-        probs, idx, lse, aff = (_router_topk(logits, k, sigmoid, normalize) if tracing()
-                                else _impl(logits, k, sigmoid, normalize))
-        ctx.mark_non_differentiable(idx)
+        probs, idx, lse, aff, counts = (_router_topk(logits, k, sigmoid, normalize) if tracing()
+                                        else _impl(logits, k, sigmoid, normalize))
+        ctx.mark_non_differentiable(idx, counts)
         ctx.sigmoid, ctx.normalize = sigmoid, normalize
         ctx.save_for_backward(logits, idx)
-        return probs, idx, lse, aff
+        return probs, idx, lse, aff, counts
 
     @staticmethod
-    def backward(ctx, g_probs, _g_idx, g_lse, g_aff):
+    def backward(ctx, g_probs, _g_idx, g_lse, g_aff, _g_counts):
         logits, idx = ctx.saved_tensors
         with torch.enable_grad():
             l = logits.detach().float().requires_grad_()
@@ -100,6 +105,7 @@ class _FusedScores(torch.autograd.Function):
 def fused_scores(logits: torch.Tensor, top_k: int, sigmoid: bool, normalize: bool
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs (T, k) fp32, indices (T, k) int64, logsumexp (T,) fp32,
-    affinity sums over tokens (E,) fp32) from one kernel launch."""
+    affinity sums over tokens (E,) fp32, slots per expert (E,) int64) from
+    one kernel launch."""
     CALLS["fused_router"] += 1
     return _FusedScores.apply(logits, top_k, sigmoid, normalize)

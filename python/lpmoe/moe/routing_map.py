@@ -75,9 +75,11 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, capacity: Optional
     flat = idx.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < e)
     key = torch.where(valid, flat, e)                      # dropped slots sort last
-    counts_all = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    starts = torch.cumsum(counts_all, 0) - counts_all      # first sorted position of each expert
-    order = torch.argsort(key, stable=True)
+    sorted_key, order = torch.sort(key, stable=True)
+    # expert boundaries in the sorted keys: counts without atomics (a histogram of
+    # T*k slots into E bins by atomics serialises on the hot bins)
+    bounds = torch.searchsorted(sorted_key, torch.arange(e + 2, dtype=torch.int64, device=dev))
+    starts, counts_all = bounds[:-1], bounds[1:] - bounds[:-1]
     pos = torch.empty_like(key).scatter_(0, order, torch.arange(n, dtype=torch.int64, device=dev))
     rank = pos - starts[key]                               # slot's place within its expert, token order
     counts = counts_all[:e]
