@@ -5,8 +5,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-import lpmoe
-from conftest import HAS_CUDA, requires_cuda
+from conftest import requires_cuda
 from lpmoe.moe import kernels, permute, permute_fp8, permute_probs, permute_rows, routing_map, unpermute
 from lpmoe.reference import permute as ref
 

@@ -34,6 +34,16 @@ void check_map(const at::Tensor& row_map, const c10::optional<at::Tensor>& scale
   }
 }
 
+// src (rows, cols) and dst (rows', cols) of one dtype, contiguous, on one CUDA device; returns cols.
+int64_t check_src_dst(const at::Tensor& src, const at::Tensor& dst) {
+  check_cuda(src, "src");
+  TORCH_CHECK(src.dim() == 2, "lpmoe: `src` must be 2-D, got ", src.sizes());
+  check_contiguous(src, "src");
+  check_rows(dst, src, "dst", src.size(1));
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "lpmoe: `dst` must have src's dtype ", src.scalar_type());
+  return src.size(1);
+}
+
 int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
 }  // namespace
@@ -42,12 +52,7 @@ void permute_scatter(const at::Tensor& src, const at::Tensor& row_map, const c10
                      const at::Tensor& dst, const c10::optional<at::Tensor>& zero_from,
                      const c10::optional<at::Tensor>& dot_with, const c10::optional<at::Tensor>& dot_out,
                      bool raw) {
-  check_cuda(src, "src");
-  TORCH_CHECK(src.dim() == 2, "lpmoe: `src` must be 2-D, got ", src.sizes());
-  check_contiguous(src, "src");
-  const int64_t cols = src.size(1);
-  check_rows(dst, src, "dst", cols);
-  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "lpmoe: `dst` must have src's dtype ", src.scalar_type());
+  const int64_t cols = check_src_dst(src, dst);
   check_map(row_map, scale, src, src.size(0));
   TORCH_CHECK(row_map.numel() < (int64_t(1) << 31) && dst.size(0) < (int64_t(1) << 31),
               "lpmoe: permutation rows must fit int32");
@@ -91,12 +96,7 @@ void permute_scatter(const at::Tensor& src, const at::Tensor& row_map, const c10
 
 void permute_gather(const at::Tensor& src, const at::Tensor& row_map, const c10::optional<at::Tensor>& scale,
                     const at::Tensor& dst) {
-  check_cuda(src, "src");
-  TORCH_CHECK(src.dim() == 2, "lpmoe: `src` must be 2-D, got ", src.sizes());
-  check_contiguous(src, "src");
-  const int64_t cols = src.size(1);
-  check_rows(dst, src, "dst", cols);
-  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "lpmoe: `dst` must have src's dtype ", src.scalar_type());
+  const int64_t cols = check_src_dst(src, dst);
   check_map(row_map, scale, src, dst.size(0));
   TORCH_CHECK(src.size(0) < (int64_t(1) << 31), "lpmoe: permutation rows must fit int32");
   permute::GatherArgs a;

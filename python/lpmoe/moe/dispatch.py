@@ -25,7 +25,7 @@ global experts [r*E_l, (r+1)*E_l).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -123,11 +123,10 @@ class CapacityAllToAll(_ExpertParallel):
         self.capacity = capacity
 
     def dispatch(self, x_g: torch.Tensor, p_g: torch.Tensor, rmap: RoutingMap) -> Dispatched:
-        w, el, c = self.world, self.local, self.capacity
         recv = self._counts_from_peers(rmap.m_splits)                       # (W, E_l)
         x_r = exchange(x_g, None, None, self.group, self.fp8)               # (W*E_l*C, H): [src][expert][slot]
         p_r = funcol.all_to_all_single_autograd(p_g.contiguous(), None, None, self.group)
-        cmap = compaction_map(recv, c)
+        cmap = compaction_map(recv, self.capacity)
         x_e = permute_rows(x_r, cmap)
         p_e = permute_probs(p_r.view(-1, 1), cmap)
         return Dispatched(x_e, cmap.m_splits, p_e, cmap)

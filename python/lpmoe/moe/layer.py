@@ -119,10 +119,9 @@ class MoELayer(torch.nn.Module):
             return None
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
 
-    def _dispatcher(self, tokens: int):
+    def _dispatcher(self, cap: Optional[int]):
         if self.ep_group is None:
             return LocalDispatch()
-        cap = self.capacity(tokens)
         if cap is None:
             return HostSplitAllToAll(self.ep_group, self.num_experts, self.dispatch_fp8)
         return CapacityAllToAll(self.ep_group, self.num_experts, cap, self.dispatch_fp8)
@@ -132,8 +131,9 @@ class MoELayer(torch.nn.Module):
             raise ValueError(f"x must be (..., {self.hidden_size}), got shape {tuple(x.shape)}")
         tokens = x.reshape(-1, self.hidden_size)
         routed = self.router(tokens)
-        disp = self._dispatcher(tokens.shape[0])
-        rmap = routing_map(routed.indices, self.num_experts, self.capacity(tokens.shape[0]), layout=disp.layout)
+        cap = self.capacity(tokens.shape[0])
+        disp = self._dispatcher(cap)
+        rmap = routing_map(routed.indices, self.num_experts, cap, layout=disp.layout)
         grouped = disp.dispatch(permute_rows(tokens, rmap), permute_probs(routed.probs, rmap), rmap)
         y = self.experts(grouped.x, grouped.m_splits, probs=grouped.probs,
                          is_first_microbatch=is_first_microbatch)
