@@ -4,11 +4,20 @@
 # configuration in FP8_CONFIGS, "width,cluster"), the CUTLASS kernel, and
 # DeepGEMM's when .peers/DeepGEMM is present.  GPU machine, built lpmoe.
 #   FP8_CONFIGS="192,1 128,1" bash tools/profile_fp8_gemm.sh
+# FP8_SOURCE=1 also samples warp stalls per SASS instruction and writes them
+# as $OUT/sass_<config>.csv (ncu's source page) for offline reading.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/lpmoe_out}"; mkdir -p "$OUT"
 CONFIGS="${FP8_CONFIGS:-192,1 -1,0}"
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis"
+[ "${FP8_SOURCE:-0}" = 1 ] && SECTIONS="$SECTIONS --section SourceCounters"
+# ncu report and SASS table of one profiled launch: $1 = name, the rest = command
+source_table() {
+  local name="$1"; shift
+  [ "${FP8_SOURCE:-0}" = 1 ] || return 0
+  ncu --page source --csv --print-source sass -i "/tmp/lpmoe_$name.ncu-rep" > "$OUT/sass_$name.csv" 2>/dev/null
+}
 cat > /tmp/lpmoe_fp8_prof.py <<'PY'
 import sys, torch, lpmoe
 from lpmoe import Float8BlockQuantizer as Q
@@ -29,13 +38,18 @@ keep='Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache
 for cfg in $CONFIGS; do
   echo "== lpmoe fprop config $cfg"
   regex='fp8_block_scaled'; [ "${cfg%%,*}" = "-1" ] && regex='device_kernel'
-  PYTHONPATH=python ncu $SECTIONS -k regex:"$regex" --launch-skip 2 --launch-count 1 \
-    python3 /tmp/lpmoe_fp8_prof.py "$cfg" > "$OUT/ncu_fp8_$cfg.txt" 2>&1
-  grep -E "$keep" "$OUT/ncu_fp8_$cfg.txt" | cut -c1-130 | head -40
+  name="${cfg/,/_}"
+  PYTHONPATH=python ncu $SECTIONS -k regex:"$regex" --launch-skip 2 --launch-count 1 -f -o "/tmp/lpmoe_$name" \
+    python3 /tmp/lpmoe_fp8_prof.py "$cfg" > /dev/null 2>&1
+  ncu -i "/tmp/lpmoe_$name.ncu-rep" > "$OUT/ncu_fp8_$name.txt" 2>&1
+  grep -E "$keep" "$OUT/ncu_fp8_$name.txt" | cut -c1-130 | head -40
+  source_table "$name"
 done
 if [ -d .peers/DeepGEMM ]; then
   echo "== DeepGEMM fprop (anchor)"
-  ncu $SECTIONS -k regex:"fp8_gemm" --launch-skip 10 --launch-count 1 \
-    python3 benchmarks/_deepgemm_peer.py --time > "$OUT/ncu_fp8_deepgemm.txt" 2>&1
+  ncu $SECTIONS -k regex:"fp8_gemm" --launch-skip 10 --launch-count 1 -f -o /tmp/lpmoe_deepgemm \
+    python3 benchmarks/_deepgemm_peer.py --time > /dev/null 2>&1
+  ncu -i /tmp/lpmoe_deepgemm.ncu-rep > "$OUT/ncu_fp8_deepgemm.txt" 2>&1
   grep -E "$keep" "$OUT/ncu_fp8_deepgemm.txt" | cut -c1-130 | head -40
+  source_table deepgemm
 fi

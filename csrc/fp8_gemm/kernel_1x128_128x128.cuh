@@ -85,7 +85,7 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
   constexpr int kStages = L::kStages;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int wg = threadIdx.x / 128;
+  const int wg = warp_uniform(threadIdx.x / 128);
   cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
   // wgmma fragment of a 64 x BlockN tile: thread (warp w, lane l) holds rows
   // 16w + l/4 and +8, columns 8j + 2(l%4) + {0,1}: acc[4j + {0,1}] row r,
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(384, 1)
   uint64_t* empty = full + kStages;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int wg = threadIdx.x / 128;
+  const int wg = warp_uniform(threadIdx.x / 128);
 
   static_assert(Cluster == 1 || Cluster == 2, "cluster of 1 or 2 CTAs along M");
   const int rank = Cluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
