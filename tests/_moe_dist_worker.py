@@ -1,6 +1,7 @@
-"""Worker processes of the distributed MoE tests (tests/test_moe_layer.py):
-each runs one rank over the gloo backend on CPU tensors and raises on any
-mismatch (torch.multiprocessing.spawn re-raises it in the test)."""
+"""Worker processes of the distributed MoE tests (tests/test_moe_layer.py).
+Each runs one rank and raises on any mismatch (torch.multiprocessing.spawn
+re-raises it in the test).  ``device="cpu"`` runs over gloo (CI);
+``device="cuda"`` over NCCL, one GPU per rank."""
 import os
 
 import torch
@@ -11,16 +12,31 @@ import lpmoe
 H, F, E, K, T = 128, 32, 4, 2, 24
 
 
-def _init(rank, world, port):
+def _init(rank, world, port, device):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # NVLink multicast stays off on shared multi-GPU hosts (the machine's rule)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)  # the same initial weights on every rank
+    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
 
 
-def _close(a, b, what, tol=2e-5):
-    if not torch.allclose(a, b, rtol=tol, atol=tol):
-        raise AssertionError(f"{what}: max |diff| {(a - b).abs().max().item():.3g}")
+def _close(a, b, what, tol):
+    """fp32 (CPU): element-wise.  bf16 (GPU, where the sync-free grouped GEMMs
+    take bf16): relative to b's norm; the GEMMs' tiling differs between E and
+    E/W experts, while a wrong routing or exchange is off by ~1."""
+    if a.dtype == torch.float32:
+        if not torch.allclose(a, b, rtol=tol, atol=tol):
+            raise AssertionError(f"{what}: max |diff| {(a - b).abs().max().item():.3g}")
+        return
+    rel = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+    if not rel < tol:
+        raise AssertionError(f"{what}: relative error {rel:.3g} (limit {tol})")
 
 
 def _step(model, x, w):
@@ -30,27 +46,43 @@ def _step(model, x, w):
     return y.detach(), x.grad
 
 
-def expert_parallel(rank, world, port, mode):
-    _init(rank, world, port)
-    cf = 1.0 if mode == "capacity" else None
+def _inputs(rank, dev, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed + rank)
+    return (torch.randn(T, H, generator=g).to(dev, dtype), torch.randn(T, H, generator=g).to(dev, dtype))
+
+
+def expert_parallel(rank, world, port, mode, device="cpu"):
+    """EP=world vs the whole layer on each rank's own tokens (mode: host,
+    capacity, fp8 dispatch, or sync: the capacity path under
+    set_sync_debug_mode('error'), GPU only)."""
+    dev = _init(rank, world, port, device)
+    dtype, tol = (torch.float32, 2e-5) if device == "cpu" else (torch.bfloat16, 1e-2)
+    cf = 1.0 if mode in ("capacity", "sync") else None
     fp8 = mode == "fp8"
-    full = lpmoe.moe.MoELayer(H, F, E, K, device="cpu", params_dtype=torch.float32, capacity_factor=cf)
-    ep = lpmoe.moe.MoELayer(H, F, E, K, ep_group=dist.group.WORLD, device="cpu", params_dtype=torch.float32,
+    full = lpmoe.moe.MoELayer(H, F, E, K, device=dev, params_dtype=dtype, capacity_factor=cf)
+    ep = lpmoe.moe.MoELayer(H, F, E, K, ep_group=dist.group.WORLD, device=dev, params_dtype=dtype,
                             capacity_factor=cf, dispatch_fp8=fp8)
     ep.load_state_dict(full.state_dict())   # the single-GPU dict: each rank keeps its experts
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(T, H, generator=g)
-    w = torch.randn(T, H, generator=g)
+    x, w = _inputs(rank, dev, 100, dtype)
     y_ref, dx_ref = _step(full, x, w)
-    y_ep, dx_ep = _step(ep, x, w)
+    if mode == "sync":   # warm (NCCL communicator, workspaces), then a step that must not sync
+        _step(ep, x, w)
+        ep.zero_grad()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        y_ep, dx_ep = _step(ep, x, w)
+    finally:
+        if mode == "sync":
+            torch.cuda.set_sync_debug_mode("default")
     if fp8:  # FP8 rows on the wire: forward within FP8 error, gradients straight through
-        rel = (y_ep - y_ref).norm() / y_ref.norm()
+        rel = (y_ep.float() - y_ref.float()).norm() / y_ref.float().norm()
         if not rel < 0.08:
             raise AssertionError(f"fp8 dispatch: relative error {rel:.3g}")
         return dist.destroy_process_group()
-    _close(y_ep, y_ref, "output")
-    _close(dx_ep, dx_ref, "input gradient")
-    _close(ep.router.weight.grad, full.router.weight.grad, "router gradient")
+    _close(y_ep, y_ref, "output", tol)
+    _close(dx_ep, dx_ref, "input gradient", tol)
+    _close(ep.router.weight.grad, full.router.weight.grad, "router gradient", tol)
     if cf is not None and int(ep.tokens_dropped) != int(full.tokens_dropped):
         raise AssertionError("dropped counts differ")
     # experts: the EP rank's gradient is the sum over every rank's tokens
@@ -60,7 +92,7 @@ def expert_parallel(rank, world, port, mode):
     for fc in ("linear_fc1", "linear_fc2"):
         for i in range(el):
             ref = getattr(full.experts, fc).get_parameter(f"weight{rank * el + i}").grad
-            _close(getattr(ep.experts, fc).get_parameter(f"weight{i}").grad, ref, f"{fc} expert {i} gradient")
+            _close(getattr(ep.experts, fc).get_parameter(f"weight{i}").grad, ref, f"{fc} expert {i} gradient", tol)
     # state dict in the single-GPU numbering; the ranks' dicts merge into it
     keys = [None] * world
     dist.all_gather_object(keys, sorted(ep.state_dict()))
@@ -70,22 +102,44 @@ def expert_parallel(rank, world, port, mode):
     dist.destroy_process_group()
 
 
-def data_parallel(rank, world, port, mode):
-    _init(rank, world, port)
-    model = lpmoe.moe.MoELayer(H, F, E, K, device="cpu", params_dtype=torch.float32, aux_loss_coeff=0.01)
-    ref = lpmoe.moe.MoELayer(H, F, E, K, device="cpu", params_dtype=torch.float32, aux_loss_coeff=0.01)
+def expert_parallel_fp8_experts(rank, world, port, device="cuda"):
+    """EP=world vs EP=1 with Float8BlockScaling experts and bf16 parameters:
+    the same FP8 GEMMs on the same rows, grouped differently."""
+    from lpmoe.recipe import Float8BlockScaling
+    dev = _init(rank, world, port, device)
+    h, f, e = 256, 128, 8
+    full = lpmoe.moe.MoELayer(h, f, e, K, device=dev, params_dtype=torch.bfloat16)
+    ep = lpmoe.moe.MoELayer(h, f, e, K, ep_group=dist.group.WORLD, device=dev, params_dtype=torch.bfloat16)
+    ep.load_state_dict(full.state_dict())
+    g = torch.Generator().manual_seed(300 + rank)
+    x = torch.randn(512, h, generator=g).to(dev, torch.bfloat16)
+    w = torch.randn(512, h, generator=g).to(dev, torch.bfloat16)
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        y_ref, dx_ref = _step(full, x, w)
+        y_ep, dx_ep = _step(ep, x, w)
+    # forward rows see identical FP8 operands (1x128 blocks are per row): equal up to
+    # the GEMM's accumulation order; backward within FP8 error
+    for a, b, what, lim in ((y_ep, y_ref, "output", 1e-2), (dx_ep, dx_ref, "input gradient", 5e-2)):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        if not rel < lim:
+            raise AssertionError(f"fp8 experts {what}: relative error {rel:.3g}")
+    dist.destroy_process_group()
+
+
+def data_parallel(rank, world, port, mode, device="cpu"):
+    dev = _init(rank, world, port, device)
+    dtype, tol = (torch.float32, 1e-4) if device == "cpu" else (torch.bfloat16, 2e-2)
+    model = lpmoe.moe.MoELayer(H, F, E, K, device=dev, params_dtype=dtype, aux_loss_coeff=0.01)
+    ref = lpmoe.moe.MoELayer(H, F, E, K, device=dev, params_dtype=dtype, aux_loss_coeff=0.01)
     ref.load_state_dict(model.state_dict())
     if mode == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        # a CPU mesh: FSDP2 would otherwise pick CUDA where a GPU exists
-        wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    batches = []
-    for r in range(world):
-        g = torch.Generator().manual_seed(200 + r)
-        batches.append((torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)))
+        # an explicit mesh: FSDP2 would otherwise pick CUDA where a GPU exists
+        wrapped = fully_shard(model, mesh=init_device_mesh(dev.type, (world,)))
+    batches = [_inputs(r, dev, 200, dtype) for r in range(world)]
     x, w = batches[rank]
     y = wrapped(x)
     (y * w).sum().backward()       # DDP / FSDP2 average the ranks' gradients
@@ -94,5 +148,36 @@ def data_parallel(rank, world, port, mode):
         ((ref(xr) * wr).sum() / world).backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        _close(grad, q.grad, f"{mode} gradient of {name}", tol=1e-4)
+        _close(grad, q.grad, f"{mode} gradient of {name}", tol)
+    dist.destroy_process_group()
+
+
+def pending_collective_inputs(rank, world, port, device="cuda"):
+    """Results of torch.distributed's functional collectives fed straight to
+    lpmoe (pending AsyncCollectiveTensors, data pointer 0 until waited):
+    permute, unpermute and GroupedMLP wait on them and equal the same call on
+    plain tensors.  One NCCL rank is enough."""
+    from torch.distributed import _functional_collectives as funcol
+    dev = _init(rank, world, port, device)
+    grp = dist.group.WORLD
+
+    def pending(t):
+        out = funcol.all_to_all_single_autograd(t, None, None, grp)
+        assert isinstance(out, funcol.AsyncCollectiveTensor) and out.data_ptr() == 0
+        return out
+    mlp = lpmoe.GroupedMLP(4, 128, 64, device=dev, params_dtype=torch.bfloat16)
+    x = torch.randn(256, 128, device=dev, dtype=torch.bfloat16)
+    splits = torch.tensor([100, 0, 56, 100], device=dev, dtype=torch.int64)
+    probs = torch.rand(256, device=dev)
+    want = mlp(x, splits, probs=probs)
+    got = mlp(pending(x), pending(splits), probs=pending(probs))
+    if not torch.equal(got, want):
+        raise AssertionError("GroupedMLP on pending collective results differs")
+    idx = torch.randint(0, 4, (256, 2), device=dev)
+    rm = lpmoe.moe.routing_map(idx, 4)
+    want = lpmoe.moe.permute_rows(x, rm)
+    if not torch.equal(lpmoe.moe.permute_rows(pending(x), rm), want):
+        raise AssertionError("permute_rows on a pending collective result differs")
+    if not torch.equal(lpmoe.moe.unpermute(pending(want), rm), lpmoe.moe.unpermute(want, rm)):
+        raise AssertionError("unpermute on a pending collective result differs")
     dist.destroy_process_group()

@@ -2,7 +2,9 @@
 layer against a per-token loop, aux-loss training, capacity drops, the
 global expert numbering, expert parallelism (EP=2 vs EP=1) and DDP / FSDP2
 over gloo in two processes on the CPU; on the GPU: CUDA graphs with new
-routing per replay, no host syncs, FP8."""
+routing per replay, no host syncs, FP8; on two GPUs the same distributed
+tests over NCCL, the capacity path under set_sync_debug_mode("error"),
+and FP8 experts."""
 import socket
 
 import pytest
@@ -130,9 +132,9 @@ def test_moe_layer_compiles_fullgraph_cpu():
     assert torch.allclose(gc, layer.router.weight.grad, atol=1e-6)
 
 
-def _spawn(fn, *args):
+def _spawn(fn, *args, nprocs=2):
     import torch.multiprocessing as mp
-    mp.spawn(fn, args=(2, _free_port()) + args, nprocs=2, join=True)
+    mp.spawn(fn, args=(nprocs, _free_port()) + args, nprocs=nprocs, join=True)
 
 
 @pytest.mark.parametrize("mode", ["host", "capacity", "fp8"])
@@ -145,6 +147,35 @@ def test_expert_parallel_two_ranks_equals_one(mode):
 def test_data_parallel_grads_equal_single_process(mode):
     import _moe_dist_worker
     _spawn(_moe_dist_worker.data_parallel, mode)
+
+
+requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL)")
+
+
+@requires_two_gpus
+@pytest.mark.parametrize("mode", ["host", "capacity", "fp8", "sync"])
+def test_gpu_expert_parallel_nccl_equals_one(mode):
+    import _moe_dist_worker
+    _spawn(_moe_dist_worker.expert_parallel, mode, "cuda")
+
+
+@requires_two_gpus
+def test_gpu_expert_parallel_nccl_fp8_experts():
+    import _moe_dist_worker
+    _spawn(_moe_dist_worker.expert_parallel_fp8_experts)
+
+
+@requires_two_gpus
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_gpu_data_parallel_nccl_grads_equal_single_process(mode):
+    import _moe_dist_worker
+    _spawn(_moe_dist_worker.data_parallel, mode, "cuda")
+
+
+@requires_cuda
+def test_gpu_pending_collective_results_are_waited_before_kernels():
+    import _moe_dist_worker
+    _spawn(_moe_dist_worker.pending_collective_inputs, nprocs=1)
 
 
 def test_state_dict_global_numbering_single_process():

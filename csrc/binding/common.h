@@ -23,8 +23,18 @@
 namespace lpmoe {
 namespace binding {
 
+// A tensor subclass that only wraps another tensor (torch.distributed's
+// AsyncCollectiveTensor before anything waits on it) reports data pointer 0:
+// a kernel given it would read address 0, so refuse it by name.
+inline void check_has_memory(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.numel() == 0 || t.data_ptr() != nullptr, "lpmoe: `", name,
+              "` has no memory of its own (data pointer 0): wait on a pending collective's result "
+              "(torch.distributed._functional_collectives.wait_tensor) before passing it");
+}
+
 inline void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "lpmoe: `", name, "` must be a CUDA tensor, got device ", t.device());
+  check_has_memory(t, name);
 }
 
 inline void check_contiguous(const at::Tensor& t, const char* name) {
@@ -44,6 +54,7 @@ inline void check_buffer(const at::Tensor& t, const at::Tensor& ref, const char*
                          int64_t min_numel) {
   check_same_device(t, ref, name, "input");
   check_contiguous(t, name);
+  check_has_memory(t, name);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "lpmoe: `", name, "` must be 16-byte aligned");
   TORCH_CHECK(t.element_size() == elem_size, "lpmoe: `", name, "` must have ", elem_size,
               "-byte elements, got ", t.scalar_type());

@@ -48,6 +48,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
@@ -175,6 +176,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     Errors are raised before any GPU work.  Quantized inputs (GroupedTensor,
     FP8 tensors) raise TypeError: pass the high-precision activations.
     """
+    inp, m_splits = ready(inp), ready(m_splits)
     g, n, k = check_params(inp, weights, biases)
     if recipe is None:
         recipe = get_autocast_recipe()

@@ -28,6 +28,7 @@ import torch
 
 from lpmoe.activation import kernels
 from lpmoe.activation.spec import Activation, parse_activation
+from lpmoe._async_inputs import ready
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
@@ -254,6 +255,7 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
     Returns (..., hidden) in the input's dtype.  Errors are raised before any
     GPU work.
     """
+    inp, m_splits, probs = ready(inp), ready(m_splits), ready(probs)
     fc1, fc2 = _layer(fc1, "fc1"), _layer(fc2, "fc2")
     spec = parse_activation(activation)
     g, w, hidden = check_params(inp, list(fc1.weights) if isinstance(fc1.weights, (list, tuple)) else fc1.weights,

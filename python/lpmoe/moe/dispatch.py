@@ -33,7 +33,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from lpmoe.moe.permute import permute_probs, permute_rows, unpermute
 from lpmoe.moe.routing_map import RoutingMap
-from lpmoe.moe.wire import exchange
+from lpmoe.moe.wire import all_to_all, exchange
 
 __all__ = ["Dispatched", "LocalDispatch", "HostSplitAllToAll", "CapacityAllToAll"]
 
@@ -89,7 +89,7 @@ class HostSplitAllToAll(_ExpertParallel):
         recv_splits = [sum(got[s * el:(s + 1) * el]) for s in range(w)]
         used = sum(send_splits)
         x_r = exchange(x_g[:used], recv_splits, send_splits, self.group, self.fp8)
-        p_r = funcol.all_to_all_single_autograd(p_g[:used].contiguous(), recv_splits, send_splits, self.group)
+        p_r = all_to_all(p_g[:used], recv_splits, send_splits, self.group)
         # received as [source rank][local expert]; the experts want [local expert][source rank]
         order = [s * el + e for e in range(el) for s in range(w)]
         x_e = _reorder(x_r, got, order)
@@ -103,7 +103,7 @@ class HostSplitAllToAll(_ExpertParallel):
         for pos, chunk in enumerate(order):
             back[chunk] = pos
         y_r = _reorder(y, [got[c] for c in order], back)
-        return funcol.all_to_all_single_autograd(y_r.contiguous(), send_splits, recv_splits, self.group)
+        return all_to_all(y_r, send_splits, recv_splits, self.group)
 
 
 def _reorder(x: torch.Tensor, sizes: List[int], order: List[int]) -> torch.Tensor:
@@ -125,7 +125,7 @@ class CapacityAllToAll(_ExpertParallel):
     def dispatch(self, x_g: torch.Tensor, p_g: torch.Tensor, rmap: RoutingMap) -> Dispatched:
         recv = self._counts_from_peers(rmap.m_splits)                       # (W, E_l)
         x_r = exchange(x_g, None, None, self.group, self.fp8)               # (W*E_l*C, H): [src][expert][slot]
-        p_r = funcol.all_to_all_single_autograd(p_g.contiguous(), None, None, self.group)
+        p_r = all_to_all(p_g, None, None, self.group)
         cmap = compaction_map(recv, self.capacity)
         x_e = permute_rows(x_r, cmap)
         p_e = permute_probs(p_r.view(-1, 1), cmap)
@@ -133,7 +133,7 @@ class CapacityAllToAll(_ExpertParallel):
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
         y_r = unpermute(y, d.state)                                         # back to [src][expert][slot]
-        return funcol.all_to_all_single_autograd(y_r.contiguous(), None, None, self.group)
+        return all_to_all(y_r, None, None, self.group)
 
 
 def compaction_map(recv: torch.Tensor, capacity: int) -> RoutingMap:

@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe._ext import ext
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.reference import permute as ref
@@ -48,6 +49,7 @@ def scatter(src: torch.Tensor, row_map: torch.Tensor, out_rows: int, *, scale: O
     products <src[t], dot_with[row_map[t, j]]> as (tokens, k).  FP8 rows
     (1-byte floats) and other non-float rows move as bytes (no scale, no dot).
     ``row_map`` must not repeat a row."""
+    src, row_map, scale, dot_with = ready(src), ready(row_map), ready(scale), ready(dot_with)
     if src.dim() != 2:
         raise ValueError(f"src must be (tokens, cols), got shape {tuple(src.shape)}")
     _check_map(row_map, src.shape[0], scale, src.device)
@@ -81,6 +83,7 @@ def scatter_impl(src, row_map, out_rows, scale, zero_from, dot_with):
 def gather(src: torch.Tensor, row_map: torch.Tensor, *, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dst (tokens, cols), dst[t] = sum_j scale[t, j] * src[row_map[t, j]]
     (fp32 sum in slot order; unrouted slots skipped; a token with none is 0)."""
+    src, row_map, scale = ready(src), ready(row_map), ready(scale)
     if src.dim() != 2 or src.dtype not in _TYPED:
         raise ValueError(f"src must be a float32/bfloat16/float16 (rows, cols) tensor, got {src.dtype} "
                          f"{tuple(src.shape)}")

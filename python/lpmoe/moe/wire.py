@@ -2,7 +2,10 @@
 
 ``exchange(x, out_splits, in_splits, group, fp8)`` is
 ``all_to_all_single`` with autograd (torch.distributed's functional
-collectives).  With ``fp8=True`` the forward sends E4M3 data with one fp32
+collectives).  Results are waited on before they are returned: the
+functional collectives hand out an ``AsyncCollectiveTensor`` whose data
+pointer stays 0 until a PyTorch op waits on it, and the next consumer here
+is an lpmoe kernel (see lpmoe._async_inputs).  With ``fp8=True`` the forward sends E4M3 data with one fp32
 scale per 1x128 block of each row (lpmoe's FP8 block quantizer, pow2
 scales) and the receiver dequantizes to the rows' dtype: (H + H/32) bytes
 per row instead of 2H.  The backward sends the gradient in the rows' dtype
@@ -16,7 +19,7 @@ from typing import List, Optional
 import torch
 from torch.distributed import _functional_collectives as funcol
 
-__all__ = ["exchange", "quantize_rows", "dequantize_rows"]
+__all__ = ["all_to_all", "exchange", "quantize_rows", "dequantize_rows"]
 
 _BLOCK = 128
 
@@ -54,10 +57,16 @@ class _Fp8Exchange(torch.autograd.Function):
         return funcol.wait_tensor(g), None, None, None
 
 
+def all_to_all(x: torch.Tensor, out_splits: Optional[List[int]], in_splits: Optional[List[int]], group
+               ) -> torch.Tensor:
+    """``all_to_all_single`` with autograd, waited (a plain tensor)."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
+
+
 def exchange(x: torch.Tensor, out_splits: Optional[List[int]], in_splits: Optional[List[int]], group,
              fp8: bool = False) -> torch.Tensor:
     if not fp8:
-        return funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
+        return all_to_all(x, out_splits, in_splits, group)
     if x.shape[1] % _BLOCK:
         raise ValueError(f"FP8 dispatch needs hidden_size % {_BLOCK} == 0, got {x.shape[1]}")
     return _Fp8Exchange.apply(x.contiguous(), out_splits, in_splits, group)
