@@ -64,6 +64,9 @@ def expert_parallel(rank, world, port, mode, device="cpu"):
                             capacity_factor=cf, dispatch_fp8=fp8)
     ep.load_state_dict(full.state_dict())   # the single-GPU dict: each rank keeps its experts
     x, w = _inputs(rank, dev, 100, dtype)
+    if fp8:  # rows of very different magnitudes: a scale landing on the wrong row shows
+        g = torch.Generator().manual_seed(7 + rank)
+        x = x * torch.pow(2.0, torch.randint(-6, 7, (T, 1), generator=g).to(dev, dtype))
     y_ref, dx_ref = _step(full, x, w)
     if mode == "sync":   # warm (NCCL communicator, workspaces), then a step that must not sync
         _step(ep, x, w)
@@ -77,7 +80,7 @@ def expert_parallel(rank, world, port, mode, device="cpu"):
             torch.cuda.set_sync_debug_mode("default")
     if fp8:  # FP8 rows on the wire: forward within FP8 error, gradients straight through
         rel = (y_ep.float() - y_ref.float()).norm() / y_ref.float().norm()
-        if not rel < 0.08:
+        if not rel < 0.06:
             raise AssertionError(f"fp8 dispatch: relative error {rel:.3g}")
         return dist.destroy_process_group()
     _close(y_ep, y_ref, "output", tol)
@@ -154,30 +157,73 @@ def data_parallel(rank, world, port, mode, device="cpu"):
 
 def pending_collective_inputs(rank, world, port, device="cuda"):
     """Results of torch.distributed's functional collectives fed straight to
-    lpmoe (pending AsyncCollectiveTensors, data pointer 0 until waited):
-    permute, unpermute and GroupedMLP wait on them and equal the same call on
-    plain tensors.  One NCCL rank is enough."""
+    lpmoe (pending AsyncCollectiveTensors, data pointer 0 until waited): every
+    public entry point waits on them (lpmoe._async_inputs counts it), gives
+    what the same call on plain tensors gives, and gradients flow back through
+    the wait.  One rank is enough (NCCL on a GPU, gloo on CPU)."""
     from torch.distributed import _functional_collectives as funcol
+    from lpmoe import _async_inputs
+    from lpmoe.recipe import Float8BlockScaling
     dev = _init(rank, world, port, device)
     grp = dist.group.WORLD
+    bf16 = torch.bfloat16
 
     def pending(t):
         out = funcol.all_to_all_single_autograd(t, None, None, grp)
-        assert isinstance(out, funcol.AsyncCollectiveTensor) and out.data_ptr() == 0
+        assert isinstance(out, funcol.AsyncCollectiveTensor)
         return out
-    mlp = lpmoe.GroupedMLP(4, 128, 64, device=dev, params_dtype=torch.bfloat16)
-    x = torch.randn(256, 128, device=dev, dtype=torch.bfloat16)
+
+    def check(what, got, want, waits):
+        before = _async_inputs.CALLS["waited"]
+        g = got()
+        if _async_inputs.CALLS["waited"] - before < waits:
+            raise AssertionError(f"{what}: {waits} pending inputs, {_async_inputs.CALLS['waited'] - before} waited")
+        w = want()
+        for a, b in zip(g if isinstance(g, tuple) else (g,), w if isinstance(w, tuple) else (w,)):
+            if not torch.equal(a, b):
+                raise AssertionError(f"{what}: result on pending inputs differs")
+
+    x = torch.randn(256, 128, device=dev, dtype=bf16)
     splits = torch.tensor([100, 0, 56, 100], device=dev, dtype=torch.int64)
     probs = torch.rand(256, device=dev)
-    want = mlp(x, splits, probs=probs)
-    got = mlp(pending(x), pending(splits), probs=pending(probs))
-    if not torch.equal(got, want):
-        raise AssertionError("GroupedMLP on pending collective results differs")
-    idx = torch.randint(0, 4, (256, 2), device=dev)
-    rm = lpmoe.moe.routing_map(idx, 4)
-    want = lpmoe.moe.permute_rows(x, rm)
-    if not torch.equal(lpmoe.moe.permute_rows(pending(x), rm), want):
-        raise AssertionError("permute_rows on a pending collective result differs")
-    if not torch.equal(lpmoe.moe.unpermute(pending(want), rm), lpmoe.moe.unpermute(want, rm)):
-        raise AssertionError("unpermute on a pending collective result differs")
+    dy = torch.randn(256, 128, device=dev, dtype=bf16)
+    mlp = lpmoe.GroupedMLP(4, 128, 128, device=dev, params_dtype=bf16)
+    recipes = [None, Float8BlockScaling()] if device == "cuda" else [None]
+    for recipe in recipes:   # forward and backward, the gradients through the wait
+        def step(pend):
+            xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            mlp.zero_grad()
+            with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
+                y = mlp(*((pending(xi), pending(splits)) if pend else (xi, splits)),
+                        probs=pending(pi) if pend else pi)
+            y.backward(dy)
+            return (y.detach(), xi.grad, pi.grad) + tuple(p.grad.clone() for p in mlp.parameters())
+        check(f"GroupedMLP {recipe}", lambda: step(True), lambda: step(False), 3)
+    rm = lpmoe.moe.routing_map(torch.randint(0, 4, (256, 2), device=dev), 4)
+
+    def perm(pend):
+        xi = x.clone().requires_grad_()
+        g = lpmoe.moe.permute_rows(pending(xi) if pend else xi, rm)
+        y = lpmoe.moe.unpermute(pending(g) if pend else g, rm)
+        y.backward(dy)
+        return y.detach(), xi.grad
+    check("permute_rows + unpermute", lambda: perm(True), lambda: perm(False), 2)
+    q1 = lpmoe.Float8BlockQuantizer(block_dim=1)
+    fields = ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv")
+    check("quantize", lambda: tuple(getattr(lpmoe.quantize(pending(x), q1), f) for f in fields),
+          lambda: tuple(getattr(lpmoe.quantize(x, q1), f) for f in fields), 1)
+    gfields = ("rowwise_data", "scale_inv", "columnwise_data", "columnwise_scale_inv")
+    check("group_quantize", lambda: tuple(getattr(lpmoe.group_quantize(pending(x), q1, 4, first_dims=pending(splits)),
+                                                  f) for f in gfields),
+          lambda: tuple(getattr(lpmoe.group_quantize(x, q1, 4, first_dims=splits), f) for f in gfields), 2)
+    w = [torch.randn(64, 128, device=dev, dtype=bf16) for _ in range(4)]
+    a = lpmoe.GroupedTensor.from_dense(x, 4, first_dims=splits)
+    check("grouped_gemm weights", lambda: lpmoe.grouped_gemm(a, [pending(t) for t in w], kind="fprop"),
+          lambda: lpmoe.grouped_gemm(a, w, kind="fprop"), 4)
+    h = torch.randn(256, 128, device=dev, dtype=bf16)
+    check("activation", lambda: lpmoe.activation.activation(pending(h), "swiglu"),
+          lambda: lpmoe.activation.activation(h, "swiglu"), 1)
+    logits = torch.randn(256, 8, device=dev)
+    check("router_scores", lambda: tuple(lpmoe.moe.router_scores(pending(logits), 2))[:2],
+          lambda: tuple(lpmoe.moe.router_scores(logits, 2))[:2], 1)
     dist.destroy_process_group()

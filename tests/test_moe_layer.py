@@ -191,10 +191,10 @@ def test_gpu_data_parallel_nccl_grads_equal_single_process(mode):
     _spawn(_moe_dist_worker.data_parallel, mode, "cuda")
 
 
-@requires_cuda
-def test_gpu_pending_collective_results_are_waited_before_kernels():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_pending_collective_results_are_waited_before_kernels(device):
     import _moe_dist_worker
-    _spawn(_moe_dist_worker.pending_collective_inputs, nprocs=1)
+    _spawn(_moe_dist_worker.pending_collective_inputs, device, nprocs=1)
 
 
 def test_state_dict_global_numbering_single_process():

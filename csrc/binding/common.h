@@ -24,12 +24,14 @@ namespace lpmoe {
 namespace binding {
 
 // A tensor subclass that only wraps another tensor (torch.distributed's
-// AsyncCollectiveTensor before anything waits on it) reports data pointer 0:
-// a kernel given it would read address 0, so refuse it by name.
+// AsyncCollectiveTensor before anything waits on it, a DTensor, a fake
+// tensor) has a storage without memory: its data pointer is 0, or for a view
+// at an offset a small non-zero number, and a kernel given it would read
+// near address 0.  The storage's own pointer is null in both cases.
 inline void check_has_memory(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.numel() == 0 || t.data_ptr() != nullptr, "lpmoe: `", name,
-              "` has no memory of its own (data pointer 0): wait on a pending collective's result "
-              "(torch.distributed._functional_collectives.wait_tensor) before passing it");
+  TORCH_CHECK(t.numel() == 0 || (t.has_storage() && t.storage().data() != nullptr), "lpmoe: `", name,
+              "` has no device memory of its own (a wrapper tensor subclass?): pass a plain tensor, e.g. "
+              "wait on a pending collective's result first (torch.distributed._functional_collectives.wait_tensor)");
 }
 
 inline void check_cuda(const at::Tensor& t, const char* name) {

@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe._ext import ext
 from lpmoe.library.routing import OPS, tracing
 
@@ -81,6 +82,7 @@ def splits_to_offsets(
             sized for that many rows.
         device: device for the uniform case (default: CUDA current device).
     """
+    splits, second = ready(splits), ready(second)
     strides = [int(s) for s in strides]
     aligns = [1] * len(strides) if aligns is None else [int(a) for a in aligns]
     times_second = [False] * len(strides) if times_second is None else [bool(b) for b in times_second]

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, capacity_sizes, member_sizes, output_buffer
 from lpmoe.grouped_offsets import splits_to_offsets
 from lpmoe.library.routing import tracing
@@ -89,6 +90,10 @@ class GroupedTensor:
         ignored and recomputed from the dims, unless ``_trusted_offsets``
         (library-internal: it was produced by lpmoe's offsets kernel for
         exactly these dims)."""
+        rowwise_data, columnwise_data, scale_inv, columnwise_scale_inv = map(
+            ready, (rowwise_data, columnwise_data, scale_inv, columnwise_scale_inv))
+        amax, columnwise_amax, first_dims, last_dims, tensor_offsets = map(
+            ready, (amax, columnwise_amax, first_dims, last_dims, tensor_offsets))
         if isinstance(num_tensors, torch.SymInt):  # traced with dynamic shapes: member counts are static
             num_tensors = int(num_tensors)
         if not isinstance(num_tensors, int) or num_tensors < 1:

@@ -11,6 +11,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from lpmoe import fp8_block_ops, mx_ops
+from lpmoe._async_inputs import ready
 from lpmoe._op_utils import adopt_metadata
 from lpmoe.grouped_layout import output_buffer
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
@@ -45,6 +46,7 @@ def _check_format_shape(quantizer, k: int) -> None:
 def quantize(x: torch.Tensor, quantizer: Quantizer):
     """Quantize one 2-D tensor.  Returns the format's single-tensor container
     (``lpmoe.reference.Fp8BlockQuantized`` / ``MXFP8Quantized`` / ``NVFP4Quantized``)."""
+    x = ready(x)
     _check_quantizer(quantizer)
     _check_input(x)
     _check_format_shape(quantizer, x.shape[1])
@@ -161,6 +163,8 @@ def group_quantize(x: Union[torch.Tensor, GroupedTensor], quantizer: Quantizer, 
         output: a GroupedTensor of this quantizer whose buffers are reused in
             place (same pointers); its metadata is updated.
     """
+    x, first_dims, tensor_offsets, last_dims, noop_flag = map(ready, (x, first_dims, tensor_offsets, last_dims,
+                                                                      noop_flag))
     _check_quantizer(quantizer)
     g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets, last_dims)
     _check_kind(quantizer, g)
@@ -208,6 +212,7 @@ def group_quantize_dbias(x, quantizer: Quantizer, num_tensors: Optional[int] = N
     _check_quantizer(quantizer)
     if not isinstance(quantizer, Float8BlockQuantizer):
         raise NotImplementedError("group_quantize_dbias is implemented for Float8BlockQuantizer")
+    x, first_dims, tensor_offsets, noop_flag = map(ready, (x, first_dims, tensor_offsets, noop_flag))
     g = _as_grouped_input(x, num_tensors, first_dims, tensor_offsets)
     _check_kind(quantizer, g)
     return _run_group_quantize(g, quantizer, noop_flag, output, True)

@@ -6,6 +6,7 @@ from typing import Optional, Union
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe.activation import kernels
 from lpmoe.activation.spec import Activation, parse_activation
 
@@ -44,6 +45,7 @@ def activation(h: torch.Tensor, activation: Union[str, Activation] = "swiglu",
     the fused kernels, everything else the bit-exact reference.
     """
     spec = parse_activation(activation)
+    h, probs = ready(h), ready(probs)
     if not isinstance(h, torch.Tensor) or not h.is_floating_point() or h.dim() < 1:
         raise TypeError(f"h must be a floating-point tensor of shape (..., W), got "
                         f"{type(h).__name__ if not isinstance(h, torch.Tensor) else (h.dtype, tuple(h.shape))}")

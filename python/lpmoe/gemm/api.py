@@ -39,6 +39,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe.gemm.operands import GemmOperands, host_splits, parse_operands
 from lpmoe.gemm.reference import reference_grouped_gemm
 from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace, slot_for_kind
@@ -128,6 +129,7 @@ def _check_out(ops: GemmOperands, out, out_dtype, accumulate: bool):
 
 
 def _check_bias(ops: GemmOperands, bias, dtype):
+    bias = ready(bias)
     if bias is None:
         return None
     if ops.kind != "fprop":

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.quantizers import Float8BlockQuantizer
 
@@ -68,6 +69,7 @@ def _weights(b, g: int, name: str = "b"):
         rows, k = b.logical_shape
         return b, None, rows // g, k
     if isinstance(b, torch.Tensor):
+        b = ready(b)
         if b.dim() != 3 or b.shape[0] != g:
             raise ValueError(f"`{name}` (weights) as a tensor must be (G={g}, N, K), got {tuple(b.shape)}")
         if not b.is_contiguous():
@@ -78,6 +80,7 @@ def _weights(b, g: int, name: str = "b"):
     if isinstance(b, (list, tuple)):
         if len(b) != g:
             raise ValueError(f"`{name}` (weights) list has {len(b)} tensors, `a` has {g} groups")
+        b = [ready(w) for w in b]   # the kernels get these addresses as integers: no binding check
         shape0 = tuple(b[0].shape)  # compared, not hashed: dims may be symbolic under torch.compile
         if len(shape0) != 2 or any(tuple(w.shape) != shape0 for w in b):
             raise ValueError(f"`{name}` (weights) must be {g} tensors of one 2-D (N, K) shape, got "

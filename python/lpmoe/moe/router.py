@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe.moe import router_kernel
 
 __all__ = ["TopKRouter", "RouterOutput", "router_scores"]
@@ -53,6 +54,7 @@ def router_scores(logits: torch.Tensor, top_k: int, score: str = "softmax", norm
     docstring for the formulas."""
     if score not in ("softmax", "sigmoid"):
         raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    logits = ready(logits)
     t, e = logits.shape
     sigmoid = score == "sigmoid"
     if router_kernel.fused_available(logits, top_k):

@@ -36,15 +36,17 @@ def quantize_rows(x: torch.Tensor):
 
 def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize_rows`: data * scale in fp32, rounded to
-    ``dtype``, by lpmoe's FP8 block dequantize (one pass on the GPU; its
-    PyTorch-op equivalent made fp32 copies of data and scales)."""
+    ``dtype``, by lpmoe's FP8 block dequantize: one pass over the rows (the
+    PyTorch-op form made fp32 copies of data and scales) after the small
+    re-layout of the scales (H/128 floats per row)."""
     from lpmoe.quantize import dequantize
     from lpmoe.reference import Fp8BlockQuantized
 
     rows = data.shape[0]
     # the quantizer's rowwise scale layout: (H/128, rows rounded up to 4)
-    scale = scale_inv.new_zeros((scale_inv.shape[1], (rows + 3) // 4 * 4))
+    scale = scale_inv.new_empty((scale_inv.shape[1], (rows + 3) // 4 * 4))
     scale[:, :rows] = scale_inv.t()
+    scale[:, rows:] = 0
     return dequantize(Fp8BlockQuantized(data=data, scale_inv=scale, columnwise_data=None, columnwise_scale_inv=None,
                                         fp8_dtype=data.dtype, block_dim=1), dtype)
 
