@@ -18,16 +18,19 @@ def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 15, reps: 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times: List[float] = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
+    times: List[float] = [events_ms(fn, reps) for _ in range(iters)]
     return statistics.median(times)
+
+
+def events_ms(fn: Callable[[], object], reps: int) -> float:
+    """Mean ms of ``reps`` back-to-back fn() calls between two CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
 
 
 def time_and_peak(step: Callable[[], object], reset: Callable[[], object] = lambda: None):

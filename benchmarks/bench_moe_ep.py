@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import lpmoe
+from _common import events_ms
 from lpmoe.recipe import Float8BlockScaling
 
 
@@ -53,22 +54,19 @@ def _step(layer, x, dy):
     layer(x).backward(dy)
 
 
+def _together_ms(fn, reps):
+    """Mean ms of ``reps`` back-to-back calls (CUDA events), started on every
+    rank at once (barrier, then an idle device)."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    return events_ms(fn, reps)
+
+
 def _time_ms(fn, iters, reps=2):
-    """Median over ``iters`` samples of the mean of ``reps`` back-to-back calls
-    (CUDA events), each sample started together on every rank; the slowest
+    """Median over ``iters`` samples of :func:`_together_ms`; the slowest
     rank's median is the step's time."""
     fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
+    times = [_together_ms(fn, reps) for _ in range(iters)]
     t = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
@@ -83,17 +81,10 @@ def _nccl_share(fn, steps=3):
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(steps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
+        step_ms = _together_ms(fn, steps)
     us = sum(e.device_time_total for e in prof.key_averages()
              if "nccl" in e.key.lower() and "allreduce" not in e.key.lower())
-    share = torch.tensor([us / 1e3 / a.elapsed_time(b)], device="cuda")
+    share = torch.tensor([us / 1e3 / steps / step_ms], device="cuda")
     shares = [torch.zeros_like(share) for _ in range(dist.get_world_size())]
     dist.all_gather(shares, share)
     shares = [float(s) for s in shares]

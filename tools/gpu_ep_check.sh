@@ -24,7 +24,7 @@ for extra in "" "--capacity-factor 1.25" "--capacity-factor 1.25 --dispatch-fp8"
   e=$?; [ $e = 0 ] || rc=1
   echo "examples/moe_layer.py --ep $extra: exit $e | $(grep 'tokens/s' "$OUT/example_ep_$i.log" | tail -1)"
 done
-PYTHONPATH=python $run benchmarks/bench_moe_ep.py --summary "$OUT/bench_moe_ep.summary" "$@" > "$OUT/bench_moe_ep.log" 2>&1
+PYTHONPATH=python:benchmarks $run benchmarks/bench_moe_ep.py --summary "$OUT/bench_moe_ep.summary" "$@" > "$OUT/bench_moe_ep.log" 2>&1
 e=$?; [ $e = 0 ] || rc=1
 echo "bench_moe_ep exit $e"
 grep -E "^(T/GPU|all_to_all|[0-9] x )" "$OUT/bench_moe_ep.log" || tail -30 "$OUT/bench_moe_ep.log"
