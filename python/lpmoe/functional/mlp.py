@@ -26,9 +26,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from lpmoe._async_inputs import ready
 from lpmoe.activation import kernels
 from lpmoe.activation.spec import Activation, parse_activation
-from lpmoe._async_inputs import ready
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
