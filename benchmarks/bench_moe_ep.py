@@ -118,7 +118,7 @@ def main():
     ep.load_state_dict(one.state_dict())
     ep_modes = [("exact", None, False), (f"capacity {args.capacity_factor}", args.capacity_factor, False),
                 (f"capacity {args.capacity_factor} +fp8 wire", args.capacity_factor, True)]
-    rows, summary = [], []
+    summary = []
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{world} x {torch.cuda.get_device_name()}; H {h}, F {f}, E {e}, k {k}; "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
@@ -148,7 +148,6 @@ def main():
                 tps = t * n_gpu / ms * 1e3
                 speedup = tps / (t / base * 1e3)
                 mean, top = _nccl_share(fn) if name != "EP=1" else (0.0, 0.0)
-                rows.append((t, recipe, name, ms, spread, tps, speedup, mean, top))
                 say(f"T/GPU {t:6d} {recipe:4s} {name:32s} {ms:8.2f} ms (±{spread / 2:.0%})  "
                     f"{tps:12,.0f} tokens/s  x{speedup:.2f} of one GPU  all-to-all {mean:.0%} of the step "
                     f"(ranks' mean; max {top:.0%})")
