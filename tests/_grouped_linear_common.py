@@ -74,13 +74,15 @@ SPLITS = [
 
 # ------------------------------------------------------- path proofs
 class _Spy:
-    """Wrap a function, recording each call's arguments."""
+    """Wrap a function, recording each call's arguments (and, in ``log``
+    shared by the spies of one test, the order of all calls by name)."""
 
-    def __init__(self, fn):
-        self.fn, self.calls = fn, []
+    def __init__(self, fn, name, log):
+        self.fn, self.calls, self.name, self.log = fn, [], name, log
 
     def __call__(self, *a, **kw):
         self.calls.append((a, kw))
+        self.log.append((self.name, a, kw))
         return self.fn(*a, **kw)
 
 
@@ -98,10 +100,10 @@ SPY_SITES = {
 def spies(monkeypatch):
     import importlib
 
-    s = {}
+    s = {"log": []}
     for name, modules in SPY_SITES.items():
         mods = [importlib.import_module(m) for m in modules]
-        s[name] = _Spy(getattr(mods[0], name))
+        s[name] = _Spy(getattr(mods[0], name), name, s["log"])
         for mod in mods:
             monkeypatch.setattr(mod, name, s[name])
     return s

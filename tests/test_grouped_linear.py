@@ -208,14 +208,43 @@ def test_fp8_path_runs_quantized_gemms(spies):
     before = dict(CALLS)
     run(layer, torch.randn(128, K, dtype=torch.bfloat16), [60, 0, 68], torch.randn(128, N, dtype=torch.bfloat16),
         recipe=Float8BlockScaling())
-    kinds = [kw["kind"] for _, kw in spies["grouped_gemm"].calls]
-    assert kinds == ["fprop", "dgrad", "wgrad"]  # bias grad fused into the dy quantization
     for a, kw in spies["grouped_gemm"].calls:
         assert a[0].is_quantized and a[1].is_quantized, kw["kind"]
-    quantizers = [a[1] for a, _ in spies["group_quantize"].calls]
-    assert [(q.block_dim, q.rowwise, q.columnwise) for q in quantizers] == [(1, True, True), (2, True, True)]
-    assert len(spies["group_quantize_dbias"].calls) == 1
+    # x (1x128, both copies), W (128x128), then dy one direction at a time, just
+    # before its GEMM: transposed (with the bias gradient) for wgrad, rowwise for dgrad
+    steps = [(name, kw["kind"]) if name == "grouped_gemm" else (name, a[1].block_dim, a[1].rowwise, a[1].columnwise)
+             for name, a, kw in spies["log"]]
+    assert steps == [("group_quantize", 1, True, True), ("group_quantize", 2, True, True), ("grouped_gemm", "fprop"),
+                     ("group_quantize_dbias", 1, False, True), ("grouped_gemm", "wgrad"),
+                     ("group_quantize", 1, True, False), ("grouped_gemm", "dgrad")]
     assert CALLS["reference"] - before["reference"] == 3
+
+
+def test_fp8_dy_copies_die_with_their_gemm(monkeypatch):
+    """The backward never holds both FP8 copies of dy: the transposed one is
+    gone when the rowwise one is made."""
+    import weakref
+
+    import lpmoe.policy.fp8_block as fp8_policy
+    made, alive_at_second = [], []
+    real = fp8_policy.group_quantize_dbias, fp8_policy.group_quantize
+
+    def watch(fn):
+        def wrapped(x, q, *a, **kw):
+            out = fn(x, q, *a, **kw)
+            if q.block_dim == 1 and x.shape[-1] == N:  # dy (x has K columns, W is 128x128)
+                if made:
+                    alive_at_second.append(made[0]() is not None)
+                gt = out[0] if isinstance(out, tuple) else out
+                made.append(weakref.ref(gt.columnwise_data if gt.columnwise_data is not None else gt.rowwise_data))
+            return out
+        return wrapped
+    monkeypatch.setattr(fp8_policy, "group_quantize_dbias", watch(real[0]))
+    monkeypatch.setattr(fp8_policy, "group_quantize", watch(real[1]))
+    layer = make_layer(torch.bfloat16)
+    run(layer, torch.randn(128, K, dtype=torch.bfloat16), [60, 0, 68], torch.randn(128, N, dtype=torch.bfloat16),
+        recipe=Float8BlockScaling())
+    assert len(made) == 2 and alive_at_second == [False]
 
 
 def test_hp_path_counts_and_bias_grad_gemm(spies):
@@ -223,20 +252,22 @@ def test_hp_path_counts_and_bias_grad_gemm(spies):
     before = dict(CALLS)
     run(layer, torch.randn(128, K, dtype=torch.bfloat16), [60, 0, 68], torch.randn(128, N, dtype=torch.bfloat16))
     kinds = [kw["kind"] for _, kw in spies["grouped_gemm"].calls]
-    assert kinds == ["fprop", "dgrad", "wgrad", "wgrad"]  # the last one: bias grad against ones
+    assert kinds == ["fprop", "wgrad", "dgrad", "wgrad"]  # the last one: bias grad against ones
     assert not spies["group_quantize"].calls and not spies["group_quantize_dbias"].calls
     assert all(not a[0].is_quantized for a, _ in spies["grouped_gemm"].calls)
     assert CALLS["reference"] - before["reference"] == 4
 
 
-def test_fp8_bias_grad_without_dgrad_uses_the_gemm_method(spies):
+def test_fp8_bias_grad_without_dgrad_is_fused_into_the_wgrad_quantization(spies):
     layer = make_layer(torch.bfloat16)
     x = torch.randn(128, K, dtype=torch.bfloat16)  # no requires_grad: no dgrad
     with lpmoe.autocast(recipe=Float8BlockScaling()):
         y = layer(x, [60, 0, 68])
     y.backward(torch.randn_like(y))
     kinds = [kw["kind"] for _, kw in spies["grouped_gemm"].calls]
-    assert kinds == ["fprop", "wgrad", "wgrad"] and not spies["group_quantize_dbias"].calls
+    assert kinds == ["fprop", "wgrad"]
+    (a, _), = spies["group_quantize_dbias"].calls
+    assert (a[1].rowwise, a[1].columnwise) == (False, True)
     assert torch.all(layer.bias1.grad == 0)
 
 

@@ -52,7 +52,7 @@ from lpmoe._async_inputs import ready
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
-from lpmoe.functional.linear_steps import dgrad_step, linear_forward, per_expert, wgrad_step
+from lpmoe.functional.linear_steps import backward_steps, linear_forward, per_expert
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
 from lpmoe.library.routing import OPS, tracing
@@ -86,15 +86,12 @@ def linear_forward_impl(x2d: torch.Tensor, splits: Splits, weights, biases, cfg:
 def linear_backward_impl(grad_out: torch.Tensor, saved_x, saved_w, splits: Splits, cfg: LinearConfig,
                          shape: Tuple[int, int, int], dtype: torch.dtype, main_grad_weights=None):
     """(dx or None, weight grads (G, N, K) or None, bias grads (G, N) or None;
-    see linear_steps.wgrad_step)."""
+    see linear_steps.backward_steps)."""
     need = cfg.need
     dy = grad_out.contiguous()  # e.g. an expanded (stride-0) grad of .sum()
     grad = cfg.policy.grad(dy, splits, need)
-    dgrad = dgrad_step(cfg.policy, grad, saved_w, splits, shape) if need.dgrad else None
-    tokens = cfg.policy.wgrad_tokens(saved_x, splits) if need.wgrad else None
-    w_grads, b_grads = wgrad_step(grad, tokens, splits, need, num=cfg.num, dtype=dtype,
-                                  main_grad_weights=main_grad_weights)
-    return dgrad, w_grads, b_grads
+    return backward_steps(cfg.policy, grad, saved_x, saved_w, splits, need, shape, dtype=dtype,
+                          main_grad_weights=main_grad_weights)
 
 
 class _GroupedLinear(torch.autograd.Function):

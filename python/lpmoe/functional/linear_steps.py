@@ -11,7 +11,8 @@ import torch
 from lpmoe.gemm import grouped_gemm
 from lpmoe.policy import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
 
-__all__ = ["linear_forward", "dgrad_step", "wgrad_step", "bias_grad", "fused_wgrad_results", "per_expert"]
+__all__ = ["linear_forward", "backward_steps", "dgrad_step", "wgrad_step", "bias_step", "bias_grad",
+           "fused_wgrad_results", "per_expert"]
 
 # Width of the ones operand of the bias-gradient GEMM: the narrowest the
 # grouped kernels take (N and K multiples of 16).
@@ -39,39 +40,57 @@ def bias_grad(dy: torch.Tensor, splits) -> torch.Tensor:
 
 def dgrad_step(policy: LinearPolicy, grad: Grad, saved_w, splits, shape: Tuple[int, int, int]
                ) -> torch.Tensor:
-    """dx = dy . W; then drops grad.dgrad, so a rowwise dy copy that only
-    dgrad read can be freed before the wgrad GEMM."""
+    """dx = dy . W.  The Grad hands its dgrad operand over (made now if the
+    policy quantizes per direction), so that copy dies with this GEMM."""
     g, n, k = shape
-    out = grouped_gemm(grad.dgrad, policy.dgrad_weights(saved_w, g, n, k), kind="dgrad", m_splits=splits.host)
-    grad.dgrad = None
-    return out
+    return grouped_gemm(grad.take("dgrad"), policy.dgrad_weights(saved_w, g, n, k), kind="dgrad",
+                        m_splits=splits.host)
 
 
-def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, num: int, dtype: torch.dtype,
+def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, dtype: torch.dtype,
                main_grad_weights: Optional[List[torch.Tensor]] = None):
-    """Weight gradients (dy^T . x) and bias gradients (fused ones from
-    ``grad.dbias``, else a GEMM against ones).  With ``main_grad_weights``
-    (fuse_wgrad_accumulation) the weight gradients are added into their fp32
-    ``main_grad`` instead of being returned.  Returns (weight grads: a
-    (G, N, K) tensor, or with main_grad_weights the per-expert list autograd
-    gets, or None; bias grads (G, N) or None); :func:`per_expert` splits them."""
-    w_grads = None
-    if need.wgrad:
-        def run(out, accumulate):
-            out_dtype = None if out is not None else (torch.float32 if main_grad_weights else dtype)
-            return grouped_gemm(grad.wgrad, wgrad_tokens, kind="wgrad", out=out, accumulate=accumulate,
-                                out_dtype=out_dtype, m_splits=splits.host)
-        if main_grad_weights is not None:
-            _accumulate_main_grads(main_grad_weights, run)
-            w_grads = fused_wgrad_results(main_grad_weights)
-        else:
-            w_grads = run(None, False).to(dtype)
-    grad.wgrad = None
-    b_grads = None
-    if need.dbias:
-        dbias = grad.dbias if grad.dbias is not None else bias_grad(grad.hp, splits)
-        b_grads = dbias.to(dtype)
-    return w_grads, b_grads
+    """Weight gradients dy^T . x.  With ``main_grad_weights``
+    (fuse_wgrad_accumulation) they are added into the weights' fp32
+    ``main_grad`` instead of being returned.  Returns a (G, N, K) tensor, or
+    with main_grad_weights the per-expert list autograd gets, or None
+    (:func:`per_expert` splits them)."""
+    if not need.wgrad:
+        return None
+    dy_op = grad.take("wgrad")
+
+    def run(out, accumulate):
+        out_dtype = None if out is not None else (torch.float32 if main_grad_weights else dtype)
+        return grouped_gemm(dy_op, wgrad_tokens, kind="wgrad", out=out, accumulate=accumulate,
+                            out_dtype=out_dtype, m_splits=splits.host)
+    if main_grad_weights is not None:
+        _accumulate_main_grads(main_grad_weights, run)
+        return fused_wgrad_results(main_grad_weights)
+    return run(None, False)
+
+
+def bias_step(grad: Grad, splits, need: Needs, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Bias gradients (G, N): the ones a quantization pass or the activation
+    backward fused (``grad.dbias``), else a GEMM against ones.  Runs after
+    the layer's GEMMs, so whichever pass ran first may have fused them."""
+    if not need.dbias:
+        return None
+    dbias = grad.dbias if grad.dbias is not None else bias_grad(grad.hp, splits)
+    return dbias.to(dtype)
+
+
+def backward_steps(policy: LinearPolicy, grad: Grad, saved_x, saved_w, splits, need: Needs,
+                   shape: Tuple[int, int, int], *, dtype: torch.dtype, main_grad_weights=None):
+    """One layer's backward from an output gradient its policy prepared:
+    (dx, weight grads, bias grads).  wgrad runs first: dy's transposed
+    operand (and x's, when the caller drops its own reference) then dies
+    before dgrad's output is allocated, and a policy that quantizes dy per
+    direction holds one copy at a time."""
+    tokens = policy.wgrad_tokens(saved_x, splits) if need.wgrad else None
+    del saved_x
+    w_grads = wgrad_step(grad, tokens, splits, need, dtype=dtype, main_grad_weights=main_grad_weights)
+    del tokens
+    dx = dgrad_step(policy, grad, saved_w, splits, shape) if need.dgrad else None
+    return dx, w_grads, bias_step(grad, splits, need, dtype)
 
 
 def per_expert(grads, num: int) -> List[Optional[torch.Tensor]]:

@@ -15,7 +15,7 @@ the same objects what its activation kernel should write.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -56,11 +56,27 @@ class Forward:
 
 @dataclass
 class Grad:
-    """The output gradient in the form the backward GEMMs read."""
+    """The output gradient in the form the backward GEMMs read.
+
+    An operand is either given (``dgrad`` / ``wgrad``) or made when its GEMM
+    first asks for it (``make(which)``, which may also set ``dbias``): a
+    policy that quantizes each direction in its own pass then never holds
+    both quantized copies of dy at once."""
     dgrad: object = None                    # dgrad's token operand
     wgrad: object = None                    # wgrad's token operand
     dbias: Optional[torch.Tensor] = None    # (G, N) when fused into the quantization
     hp: Optional[torch.Tensor] = None       # high-precision dy, for a bias gradient computed separately
+    make: Optional[Callable[["Grad", str], object]] = None
+
+    def take(self, which: str):
+        """The operand of the ``which`` GEMM ("dgrad" or "wgrad"), made now
+        if it was not given; the Grad drops its reference, so the operand
+        dies with the GEMM that reads it."""
+        op = getattr(self, which)
+        if op is None and self.make is not None:
+            op = self.make(self, which)
+        setattr(self, which, None)
+        return op
 
 
 def dequantized_rows(qg: GroupedTensor) -> torch.Tensor:

@@ -34,9 +34,14 @@ class _Fp8Forward(LinearPolicy):
 class Fp8Block(_Fp8Forward):
     """Quantized backward.  The forward keeps only what the backward reads:
     the transposed copy of x (wgrad) and of W (dgrad); rowwise copies die
-    with the fprop GEMM.  dy is quantized once, rowwise for dgrad and
-    transposed for wgrad, with the bias gradient fused when both dgrad and
-    a bias are needed."""
+    with the fprop GEMM.  dy is quantized per direction when its GEMM asks
+    for it (transposed for wgrad, rowwise for dgrad), each copy dying with
+    its GEMM, with the bias gradient fused into the first pass.
+
+    Why two passes: one pass writing both copies holds 2 bytes per dy
+    element at once, which set the step's memory peak (fc2's backward in the
+    expert MLP, docs/grouped-mlp-notes.md); two passes read dy twice, the
+    bits are the same."""
 
     def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
         qx = self._quantized_x(x, splits, columnwise=need.wgrad)
@@ -49,13 +54,13 @@ class Fp8Block(_Fp8Forward):
     def grad(self, dy, splits, need: Needs) -> Grad:
         if not (need.dgrad or need.wgrad):
             return Grad(hp=dy)
-        q = self.quantizer("grad", need.dgrad, need.wgrad)
-        dbias = None
-        if need.dgrad and need.dbias:
-            qdy, dbias = group_quantize_dbias(dy, q, num_tensors=splits.num, first_dims=splits.device)
-        else:
-            qdy = group_quantize(dy, q, num_tensors=splits.num, first_dims=splits.device)
-        return grad_views(qdy, need, dbias, hp=dy)
+        def make(grad: Grad, which: str):
+            q = self.quantizer("grad", rowwise=which == "dgrad", columnwise=which == "wgrad")
+            if need.dbias and grad.dbias is None:  # the first pass also writes the bias gradient
+                qdy, grad.dbias = group_quantize_dbias(dy, q, num_tensors=splits.num, first_dims=splits.device)
+                return qdy
+            return group_quantize(dy, q, num_tensors=splits.num, first_dims=splits.device)
+        return Grad(hp=dy, make=make)
 
     # fused expert MLP: the activation kernel writes fc2's input as its FP8
     # operands (rowwise for fprop, transposed for wgrad), and the activation
