@@ -304,6 +304,59 @@ def test_saved_bytes_per_token(recipe):
     assert (saved(512, False) - saved(256, False)) / 256 == per_token
 
 
+def _drop_order():
+    """(GEMM kind, copies still alive) at each backward GEMM of one FP8 MLP step."""
+    import weakref
+
+    import lpmoe.functional.linear_steps as steps
+    mlp = make_mlp("swiglu")
+    x = torch.randn(96, H, dtype=torch.bfloat16, requires_grad=True)
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        y = mlp(x, [40, 0, 56], probs=torch.rand(96, requires_grad=True))
+    node = y.grad_fn
+    while not hasattr(node, "held"):
+        node = node.next_functions[0][0]
+    held = node.held
+    refs = {k: weakref.ref(v if isinstance(v, torch.Tensor) else v.columnwise_data)
+            for k, v in held.items() if k in ("x1", "w1", "w2", "x2", "h")}
+    del held, node
+    seen, real = [], steps.grouped_gemm
+
+    def spy(*a, **kw):
+        seen.append((kw["kind"], sorted(k for k, r in refs.items() if r() is not None)))
+        return real(*a, **kw)
+    steps.grouped_gemm = spy
+    try:
+        y.backward(torch.randn_like(y))
+    finally:
+        steps.grouped_gemm = real
+    return len(refs), seen
+
+
+def test_fp8_backward_drops_each_copy_after_its_last_reader():
+    """The FP8 MLP backward runs wgrad before dgrad in each layer and lets
+    every copy the forward made die right after its last reader: fc2's
+    transposed input before fc2's dgrad, fc2's weights and h before fc1's
+    GEMMs, x's transposed copy before fc1's dgrad (the memory peak of the
+    step, docs/grouped-mlp-notes.md).  Runs in a fresh interpreter: after a
+    torch.compile that failed earlier in the process (test_compile checks
+    one), PyTorch keeps finished frames of the backward alive until the
+    layer's backward returns, which would hide the order under test."""
+    import json
+    import subprocess
+    import sys
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_grouped_mlp as t; "
+            "print(json.dumps(t._drop_order()))")
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    count, seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert count == 5   # every copy the forward made is held, none saved
+    assert [tuple(s) for s in seen] == [("wgrad", ["h", "w1", "w2", "x1", "x2"]),   # fc2
+                                        ("dgrad", ["h", "w1", "w2", "x1"]),
+                                        ("wgrad", ["w1", "x1"]),                    # fc1
+                                        ("dgrad", ["w1"])]
+
+
 # ------------------------------------------------------------------- GPU
 def _cuda_mlp(kind="swiglu", bias=False, g=8, h=512, f=256):
     return make_mlp(kind, bias=bias, device="cuda", g=g, h=h, f=f)

@@ -12,8 +12,9 @@ FP8 operands of fc1's dgrad and wgrad GEMMs, plus fc1's bias gradient and
 d probs.  The forward keeps only what the backward reads: the transposed FP8
 copies of x and of a (the GEMM inputs), the transposed FP8 weights, h (once)
 and probs; every rowwise copy dies with its fprop GEMM, and the backward
-drops fc2's operands and h as soon as their last GEMM or kernel has run
-(lpmoe.functional.saved.hold).  Results are
+drops each of these copies and h as soon as its last GEMM or kernel has run
+(lpmoe.functional.saved.hold; each layer runs wgrad before dgrad, see
+lpmoe.functional.linear_steps.backward_steps).  Results are
 bit-identical to running the layers unfused (GroupedLinear,
 lpmoe.activation.activation, GroupedLinear) under the same recipe.  Other
 recipes run the same sequence with a high-precision activation in between
@@ -33,8 +34,9 @@ from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
 from lpmoe.functional.linear import needs_of
-from lpmoe.functional.linear_steps import dgrad_step, linear_forward, per_expert, wgrad_step
+from lpmoe.functional.linear_steps import backward_steps, linear_forward, per_expert
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
+from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.functional.weights import WeightCache, WeightSource
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Grad, LinearPolicy, Needs, Tokens, policy_for
@@ -124,16 +126,12 @@ def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, mai
     spec = cfg.spec
     main1, main2 = main_grads
     pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
-    x1, w1s, probs = take("x1"), take("w1"), take("probs")
+    probs = take("probs")
 
     grad2 = pol2.grad(grad_out.contiguous(), splits, need2)
-    w2s = take("w2")
-    da = dgrad_step(pol2, grad2, w2s, splits, cfg.fc2.shape) if need2.dgrad else None
-    del w2s
-    x2 = take("x2")
-    w2_grads, b2_grads = wgrad_step(grad2, pol2.wgrad_tokens(x2, splits) if need2.wgrad else None, splits,
-                                    need2, num=cfg.fc2.num, dtype=dtype, main_grad_weights=main2)
-    del grad2, x2
+    da, w2_grads, b2_grads = backward_steps(pol2, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
+                                            dtype=dtype, main_grad_weights=main2)
+    del grad2
 
     dx, w1_grads, b1_grads, dprobs = None, None, None, None
     h = take("h")
@@ -151,9 +149,8 @@ def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, mai
             else:
                 grad1 = pol1.grad(res.dh, splits, need1) if (need1.dgrad or need1.wgrad) else Grad(hp=res.dh)
             del res
-            dx = dgrad_step(pol1, grad1, w1s, splits, cfg.fc1.shape) if need1.dgrad else None
-            w1_grads, b1_grads = wgrad_step(grad1, pol1.wgrad_tokens(x1, splits) if need1.wgrad else None,
-                                            splits, need1, num=cfg.fc1.num, dtype=dtype, main_grad_weights=main1)
+            dx, w1_grads, b1_grads = backward_steps(pol1, grad1, take("x1"), take("w1"), splits, need1,
+                                                    cfg.fc1.shape, dtype=dtype, main_grad_weights=main1)
     return dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads
 
 
@@ -165,11 +162,12 @@ class _GroupedMLP(torch.autograd.Function):
     def forward(ctx, x2d, probs, splits, cfg: MLPConfig, *params):
         y, objs = mlp_forward_impl(x2d, probs, splits, params, cfg)
         x1, w1s, p, sw2, h, sx2 = objs
-        # Parameters (and the caller's tensors) through save_for_backward;
-        # what this function made and its backward drops half-way is held.
-        sw2_params = isinstance(sw2, list)
-        saved.save(ctx, x1, w1s, p, sw2 if sw2_params else None)
-        saved.hold(ctx, h=h, x2=sx2, w2=None if sw2_params else sw2)
+        # Parameters and the caller's tensors go through save_for_backward;
+        # what this function made (h, the quantized copies) is held, so the
+        # backward drops each right after its last reader.
+        made = lambda o: isinstance(o, GroupedTensor)  # noqa: E731
+        saved.save(ctx, None if made(x1) else x1, None if made(w1s) else w1s, p, None if made(sw2) else sw2)
+        saved.hold(ctx, h=h, x2=sx2, **{k: o if made(o) else None for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2))})
         ctx.cfg, ctx.splits = cfg, splits
         w1, _, used = split_params(params, cfg.fc1)
         w2, _, _ = split_params(params[used:], cfg.fc2)
@@ -181,15 +179,13 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         cfg = ctx.cfg
-        x1, w1s, probs, w2_params = saved.load(ctx)
-        early = {"x1": x1, "w1": w1s, "probs": probs}
+        x1, w1s, probs, w2s = saved.load(ctx)
+        kept = {"x1": x1, "w1": w1s, "probs": probs, "w2": w2s}
+        del x1, w1s, probs, w2s
 
         def take(name):
-            if name in early:
-                return early.pop(name)
-            if name == "w2" and w2_params is not None:
-                return w2_params
-            return saved.take(ctx, name)
+            held = saved.take(ctx, name) if name != "probs" else None  # raises on a second backward
+            return held if held is not None else kept.pop(name, None)
 
         dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads = mlp_backward_impl(
             grad_out, take, ctx.splits, cfg, ctx.dtype, ctx.main_grads)
