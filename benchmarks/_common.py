@@ -37,6 +37,13 @@ def time_and_peak(step: Callable[[], object], reset: Callable[[], object] = lamb
     """(median ms per step, peak GiB of one step above what was allocated
     before it).  One step runs first (workspaces, caches), then ``reset``
     (e.g. drop the gradients it made), then the measured step."""
+    peak = peak_gib(step, reset)
+    return median_ms(step, warmup=2, iters=7, reps=3), peak
+
+
+def peak_gib(step: Callable[[], object], reset: Callable[[], object] = lambda: None) -> float:
+    """Peak GiB of one step above what was allocated before it (one step
+    runs first for workspaces and caches, then ``reset``)."""
     step()
     reset()
     gc.collect()
@@ -45,8 +52,7 @@ def time_and_peak(step: Callable[[], object], reset: Callable[[], object] = lamb
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return median_ms(step, warmup=2, iters=7, reps=3), peak
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

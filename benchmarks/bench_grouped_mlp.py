@@ -15,7 +15,11 @@ torch, and peak device memory of one step above what was allocated before it
 step (zero_grad(set_to_none=True)); "main_grad" accumulates them into
 preallocated fp32 buffers (fuse_wgrad_accumulation, Megatron-style; torch:
 .grad kept and accumulated), which isolates what the MLP itself needs
-(activations, operands, workspaces).
+(activations, operands, workspaces).  "x made in the step" repeats the
+peaks with the MLP's input made inside the step (x * 1, as the token
+permutation of an MoE layer makes it): then a recipe whose backward keeps x
+pays for it, while with a caller-held x the high-precision backward keeps it
+by reference for free.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 import lpmoe
 from lpmoe.recipe import Float8BlockScaling
 
-from _common import parser, splits_for, time_and_peak, write_summary
+from _common import parser, peak_gib, splits_for, time_and_peak, write_summary
 
 HIDDEN, FFN = 7168, 2048
 
@@ -80,13 +84,19 @@ def run_case(g, tokens, skewed):
                 with lpmoe.autocast(recipe=recipe):
                     mlp(x, m, probs=p, is_first_microbatch=True)
 
-            def step():
+            def step(x_in_step=False):
                 leaf_grads_off()
                 if not main:
                     mlp.zero_grad(set_to_none=True)
                 with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
-                    mlp(x, m, probs=p, is_first_microbatch=False if cached else None).backward(dy)
-            res[(name, grads)] = time_and_peak(step, leaf_grads_off if main else lambda: mlp.zero_grad(set_to_none=True))
+                    mlp(x * 1.0 if x_in_step else x, m, probs=p,
+                        is_first_microbatch=False if cached else None).backward(dy)
+            # the leaves' grads too: a dx left from the warm-up step would be freed and
+            # re-made inside the measured step and so never show in its peak
+            reset = leaf_grads_off if main else lambda: (leaf_grads_off(), mlp.zero_grad(set_to_none=True))
+            res[(name, grads)] = time_and_peak(step, reset)
+            if not cached:
+                res[(name, grads, "x in step")] = peak_gib(lambda: step(True), reset)
             del mlp
             free_memory()
     tm = TorchGroupedMLP(g)
@@ -98,7 +108,7 @@ def run_case(g, tokens, skewed):
             tm(x, offs, p).backward(dy)
         try:
             res[("torch", grads)] = time_and_peak(tstep, leaf_grads_off if grads == "main_grad" else
-                                                  lambda: tm.zero_grad(set_to_none=True))
+                                                  lambda: (leaf_grads_off(), tm.zero_grad(set_to_none=True)))
         except RuntimeError as exc:  # e.g. no grouped-mm backward in this torch
             print(f"  torch._grouped_mm MLP unavailable: {str(exc)[:100]}")
             break
@@ -119,20 +129,25 @@ def main():
         r = run_case(g, tokens, skewed)
         free_memory()
         tag = f"g={g} tok={tokens} {'skew' if skewed else 'unif'}"
-        cells = "  ".join(f"{n}/{gr} {v[0]:7.2f} ms {v[1]:5.2f} GiB" for (n, gr), v in r.items())
+        cells = "  ".join(f"{k[0]}/{k[1]} {v[0]:7.2f} ms {v[1]:5.2f} GiB" for k, v in r.items() if len(k) == 2)
+        cells += "  peak GiB, x made in the step: " + "  ".join(
+            f"{k[0]}/{k[1]} {v:5.2f}" for k, v in r.items() if len(k) == 3)
         fp8, bf16 = r[("fp8", "fresh")], r[("bf16", "fresh")]
         line = (f"{tag:22s} | {cells} | fp8/bf16 {bf16[0] / fp8[0]:4.2f}x "
                 f"(cachedW {bf16[0] / r[('fp8 cachedW', 'fresh')][0]:4.2f}x)")
         mem_fresh = fp8[1] / bf16[1]
         mem_kept = r[("fp8", "main_grad")][1] / r[("bf16", "main_grad")][1]
-        line += f" | peak fp8/bf16 {mem_fresh:4.2f} (fresh grads) {mem_kept:4.2f} (main_grad)"
+        in_fresh = r[("fp8", "fresh", "x in step")] / r[("bf16", "fresh", "x in step")]
+        in_kept = r[("fp8", "main_grad", "x in step")] / r[("bf16", "main_grad", "x in step")]
+        line += (f" | peak fp8/bf16 {mem_fresh:4.2f} (fresh grads) {mem_kept:4.2f} (main_grad); x made in the "
+                 f"step {in_fresh:4.2f} {in_kept:4.2f}")
         if ("torch", "fresh") in r:
             line += f" | fp8/torch {r[('torch', 'fresh')][0] / fp8[0]:4.2f}x, bf16/torch " \
                     f"{r[('torch', 'fresh')][0] / bf16[0]:4.2f}x"
         print(line, flush=True)
-        rows.append((f"mlp {tag} fp8/bf16 (cachedW) | peak fp8/bf16 fresh, main_grad",
+        rows.append((f"mlp {tag} fp8/bf16 (cachedW) | peak fp8/bf16 fresh, main_grad (x made in step)",
                      f"{bf16[0] / fp8[0]:.2f}x ({bf16[0] / r[('fp8 cachedW', 'fresh')][0]:.2f}x) | "
-                     f"{mem_fresh:.2f}, {mem_kept:.2f}"))
+                     f"{mem_fresh:.2f}, {mem_kept:.2f} ({in_fresh:.2f}, {in_kept:.2f})"))
     write_summary(args.summary, rows)
 
 
