@@ -26,9 +26,12 @@ dy = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
 
 def is_gemm(name: str) -> bool:
-    """The GEMM kernels themselves (CUTLASS, cuBLAS); lpmoe's small GEMM
-    helpers (argument setup, row epilogue) count as outside."""
+    """The GEMM kernels themselves (CUTLASS device kernels, cuBLAS, lpmoe's
+    own FP8 block kernels in lpmoe::fp8_gemm); lpmoe's small GEMM helpers
+    (argument setup, row epilogue) count as outside."""
     n = name.lower()
+    if "lpmoe::fp8_gemm::" in n or "cutlass13device_kernel" in n:  # mangled names carry lpmoe's types
+        return True
     return any(k in n for k in ("cutlass", "xmma", "cublas", "sm90_")) and "lpmoe" not in n
 
 
