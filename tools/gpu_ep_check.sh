@@ -15,6 +15,8 @@ nvidia-smi topo -m 2>&1 | head -6
 rc=0
 LPMOE_TESTS="${LPMOE_TESTS:-tests/test_moe_layer.py}" bash tools/gpu_check.sh --no-bench > "$OUT/gpu_check.log" 2>&1 || rc=1
 echo "gpu_check exit $rc"; sed -n '/lpmoe GPU summary/,$p' "$OUT/gpu_check.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.log"
+# the failures' own lines here: $OUT holds too many files for all of them to come back
+grep -E "^E  .*(Error|error|Exception|assert)" "$OUT/pytest.log" | grep -v "ProcessRaisedException" | head -20
 nproc=$(python3 -c "import torch; print(torch.cuda.device_count())")
 run="python3 -m torch.distributed.run --nproc_per_node $nproc"
 i=0
