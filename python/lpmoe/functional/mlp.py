@@ -36,8 +36,8 @@ from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
 from lpmoe.functional.linear import needs_of
 from lpmoe.functional.linear_steps import backward_steps, linear_forward, per_expert
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
-from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.functional.weights import WeightCache, WeightSource
+from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Grad, LinearPolicy, Needs, Tokens, policy_for
 from lpmoe.policy.fp8_block import grad_views
@@ -165,9 +165,9 @@ class _GroupedMLP(torch.autograd.Function):
         # Parameters and the caller's tensors go through save_for_backward;
         # what this function made (h, the quantized copies) is held, so the
         # backward drops each right after its last reader.
-        made = lambda o: isinstance(o, GroupedTensor)  # noqa: E731
-        saved.save(ctx, None if made(x1) else x1, None if made(w1s) else w1s, p, None if made(sw2) else sw2)
-        saved.hold(ctx, h=h, x2=sx2, **{k: o if made(o) else None for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2))})
+        copies = {k: o for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2)) if isinstance(o, GroupedTensor)}
+        saved.save(ctx, *(None if k in copies else o for k, o in (("x1", x1), ("w1", w1s), ("p", p), ("w2", sw2))))
+        saved.hold(ctx, h=h, x2=sx2, **{k: copies.get(k) for k in ("x1", "w1", "w2")})
         ctx.cfg, ctx.splits = cfg, splits
         w1, _, used = split_params(params, cfg.fc1)
         w2, _, _ = split_params(params[used:], cfg.fc2)

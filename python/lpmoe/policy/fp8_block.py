@@ -74,11 +74,12 @@ class Fp8Block(_Fp8Forward):
         return self.quantizer("grad", need.dgrad, need.wgrad)
 
 
-def grad_views(qdy, need: Needs, dbias, hp=None) -> Grad:
-    """One-direction views of a quantized dy, so the rowwise copy can be freed
-    right after the dgrad GEMM."""
+def grad_views(qdy, need: Needs, dbias) -> Grad:
+    """One-direction views of a dy quantized in one pass (the fused
+    activation backward writes both), so each copy can be freed right after
+    the GEMM that reads it."""
     return Grad(dgrad=qdy.direction_view(columnwise=False) if need.dgrad else None,
-                wgrad=qdy.direction_view(columnwise=True) if need.wgrad else None, dbias=dbias, hp=hp)
+                wgrad=qdy.direction_view(columnwise=True) if need.wgrad else None, dbias=dbias)
 
 
 class Fp8BlockHighPrecisionBackward(_Fp8Forward):
