@@ -137,7 +137,7 @@ def _spawn(fn, *args, nprocs=2):
     mp.spawn(fn, args=(nprocs, _free_port()) + args, nprocs=nprocs, join=True)
 
 
-@pytest.mark.parametrize("mode", ["host", "capacity", "fp8"])
+@pytest.mark.parametrize("mode", ["host", "capacity", "fp8", "fp8_capacity"])
 def test_expert_parallel_two_ranks_equals_one(mode):
     import _moe_dist_worker
     _spawn(_moe_dist_worker.expert_parallel, mode)
@@ -172,7 +172,7 @@ requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ne
 
 
 @requires_two_gpus
-@pytest.mark.parametrize("mode", ["host", "capacity", "fp8", "sync"])
+@pytest.mark.parametrize("mode", ["host", "capacity", "fp8", "fp8_capacity", "sync"])
 def test_gpu_expert_parallel_nccl_equals_one(mode):
     import _moe_dist_worker
     _spawn(_moe_dist_worker.expert_parallel, mode, "cuda")
