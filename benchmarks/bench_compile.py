@@ -8,12 +8,17 @@ Modes, measured side by side in one run (rounds interleaved):
   reduce-ovh  torch.compile(mode="reduce-overhead"): the same, replayed as
               CUDA graphs (device m_splits, so routing may change)
 
+Each mode runs in both parameter layouts: per expert (G weights per layer,
+TransformerEngine's default) and stacked (``single_grouped_parameter=True``:
+one (G, N, K) weight per layer), interleaved in the same rounds.
+
 Shapes: a launch-bound one (4k routed tokens, 64 experts, H=2048, F=768)
 and a large one (64k tokens, 8 experts, DeepSeek-V3 H=7168, F=2048), bf16
 and FP8 block scaling; plus a MoE block (router softmax/top-8, token sort,
 GroupedMLP, weighted un-sort) at 4k tokens.  Step time: CUDA events around
-forward+backward, median of --iters after warm-up.  Ratios are eager /
-mode (>1 = faster than eager).
+forward+backward, median of --iters after warm-up.  Ratios: "eager/mode"
+against eager of the same layout, "vs per-expert eager" against the
+default layer in eager mode (>1 = faster).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from lpmoe.recipe import Float8BlockScaling
 from _common import parser, write_summary
 
 
-def _moe_block(hidden, ffn, experts, top_k):
+def _moe_block(hidden, ffn, experts, top_k, stacked):
     """examples/compile_moe_block.py's block (router, token sort, GroupedMLP)."""
     import importlib.util
     import os
@@ -37,7 +42,7 @@ def _moe_block(hidden, ffn, experts, top_k):
     spec = importlib.util.spec_from_file_location("compile_moe_block", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.MoEBlock(hidden, ffn, experts, top_k, device="cuda")
+    return mod.MoEBlock(hidden, ffn, experts, top_k, device="cuda", single_grouped_parameter=stacked)
 
 
 def _splits(tokens, experts):
@@ -67,42 +72,54 @@ def _time(fn, iters, warmup=3):
     return times, host
 
 
-def run_case(name, module, x, splits, recipe, iters, rounds, profile=False):
-    modes = {"eager": module, "compile": torch.compile(module, fullgraph=True),
-             "reduce-ovh": torch.compile(module, mode="reduce-overhead", fullgraph=True)}
+def run_case(name, make_module, x, splits, recipe, iters, rounds, profile=False):
+    """``make_module(stacked)`` builds the layer in either parameter layout."""
+    modes, owners = {}, {}
+    for layout, stacked in (("per-expert", False), ("stacked", True)):
+        module = make_module(stacked)
+        for k, m in (("eager", module), ("compile", torch.compile(module, fullgraph=True)),
+                     ("reduce-ovh", torch.compile(module, mode="reduce-overhead", fullgraph=True))):
+            modes[(layout, k)] = m
+            owners[(layout, k)] = module
     xs = x.detach().clone().requires_grad_(True)
 
-    def step(m):
+    def step(key):
+        m, owner = modes[key], owners[key]
+
         def f():
             with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
                 y = m(xs, splits)
             y.backward(torch.ones_like(y))
-            module.zero_grad(set_to_none=True)
+            owner.zero_grad(set_to_none=True)
             xs.grad = None
         return f
 
     times = {k: [] for k in modes}
     host = {k: [] for k in modes}
     for _ in range(rounds):
-        for k, m in modes.items():
-            t, h = _time(step(m), iters)
+        for k in modes:
+            t, h = _time(step(k), iters)
             times[k] += t
             host[k] += h
     med = {k: statistics.median(v) for k, v in times.items()}
     hmed = {k: statistics.median(v) for k, v in host.items()}
     spread = {k: (min(v), max(v)) for k, v in times.items()}
+    base = med[("per-expert", "eager")]
     rows = []
-    for k in modes:
-        print(f"{name:34s} {k:11s} {med[k]:8.3f} ms  [{spread[k][0]:.3f}, {spread[k][1]:.3f}]  host {hmed[k]:7.3f} ms  "
-              f"eager/mode {med['eager'] / med[k]:.3f}", flush=True)
-        rows.append((f"{name} {k}", f"{med[k]:.3f} ms (host {hmed[k]:.3f}), eager/mode {med['eager'] / med[k]:.3f}"))
+    for (layout, k) in modes:
+        own = med[(layout, "eager")] / med[(layout, k)]
+        print(f"{name:32s} {layout:10s} {k:10s} {med[(layout, k)]:8.3f} ms  [{spread[(layout, k)][0]:.3f}, "
+              f"{spread[(layout, k)][1]:.3f}]  host {hmed[(layout, k)]:7.3f} ms  eager/mode {own:.3f}  "
+              f"vs per-expert eager {base / med[(layout, k)]:.3f}", flush=True)
+        rows.append((f"{name} {layout} {k}", f"{med[(layout, k)]:.3f} ms (host {hmed[(layout, k)]:.3f}), "
+                     f"eager/mode {own:.3f}, vs per-expert eager {base / med[(layout, k)]:.3f}"))
     if profile:
-        for k in ("eager", "compile"):
+        for key in (("per-expert", "eager"), ("per-expert", "compile"), ("stacked", "eager"), ("stacked", "compile")):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(5):
-                    step(modes[k])()
+                    step(key)()
                 torch.cuda.synchronize()
-            print(f"--- {name} {k}: top host time (5 steps)")
+            print(f"--- {name} {key}: top host time (5 steps)")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     return rows
 
@@ -119,16 +136,19 @@ def main():
     for recipe, rname in ((None, "bf16"), (fp8, "fp8")):
         for tokens, experts, hidden, ffn in ((4096, 64, 2048, 768), (65536, 8, 7168, 2048)):
             torch._dynamo.reset()
-            mlp = lpmoe.GroupedMLP(experts, hidden, ffn, params_dtype=torch.bfloat16, device="cuda")
+
+            def mlp(stacked, e=experts, h=hidden, f=ffn):
+                torch.manual_seed(0)
+                return lpmoe.GroupedMLP(e, h, f, params_dtype=torch.bfloat16, device="cuda",
+                                        single_grouped_parameter=stacked)
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             out += run_case(f"mlp {rname} T={tokens} E={experts} H={hidden}", mlp, x, _splits(tokens, experts),
                             recipe, args.iters, args.rounds,
                             profile=args.profile and recipe is not None and tokens == 4096)
-            del mlp
         torch._dynamo.reset()
-        block = _moe_block(2048, 768, 64, 8)
         x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
-        out += run_case(f"moe block {rname} T=4096 E=64 k=8", block, x, None, recipe, args.iters, args.rounds)
+        out += run_case(f"moe block {rname} T=4096 E=64 k=8", lambda stacked: _moe_block(2048, 768, 64, 8, stacked),
+                        x, None, recipe, args.iters, args.rounds)
     write_summary(args.summary, out)
 
 

@@ -15,10 +15,11 @@ from lpmoe.recipe import Float8BlockScaling
 
 
 class MoEBlock(torch.nn.Module):
-    def __init__(self, hidden=128, ffn=64, experts=4, top_k=2, device="cpu"):
+    def __init__(self, hidden=128, ffn=64, experts=4, top_k=2, device="cpu", single_grouped_parameter=False):
         super().__init__()
         self.router = torch.nn.Linear(hidden, experts, bias=False, device=device, dtype=torch.bfloat16)
-        self.experts = lpmoe.GroupedMLP(experts, hidden, ffn, params_dtype=torch.bfloat16, device=device)
+        self.experts = lpmoe.GroupedMLP(experts, hidden, ffn, params_dtype=torch.bfloat16, device=device,
+                                        single_grouped_parameter=single_grouped_parameter)
         self.e, self.k = experts, top_k
 
     def forward(self, x, _splits=None):

@@ -24,8 +24,11 @@ def check_params(inp, weights, biases) -> Tuple[int, int, int]:
         raise TypeError(f"inp must be bf16, fp16 or fp32 (quantized inputs are not supported), got {inp.dtype}")
     if inp.dim() < 2:
         raise ValueError(f"inp must be (tokens, in_features) or (..., in_features), got shape {tuple(inp.shape)}")
+    if isinstance(weights, torch.Tensor):
+        return _check_stacked(inp, weights, biases)
     if not isinstance(weights, (list, tuple)) or len(weights) == 0:
-        raise TypeError("weights must be a non-empty list of (out_features, in_features) tensors")
+        raise TypeError("weights must be a non-empty list of (out_features, in_features) tensors or one "
+                        "(num_gemms, out_features, in_features) tensor")
     w0 = weights[0]
     for i, w in enumerate(weights):
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape != w0.shape:
@@ -38,7 +41,8 @@ def check_params(inp, weights, biases) -> Tuple[int, int, int]:
         raise ValueError(f"inp's last dim is {inp.shape[-1]} but the weights' in_features is {k}")
     if biases is not None:
         if not isinstance(biases, (list, tuple)) or len(biases) != len(weights):
-            raise TypeError(f"biases must be None or a list of {len(weights)} (out_features,) tensors")
+            raise TypeError(f"biases must be None or a list of {len(weights)} (out_features,) tensors (per-expert "
+                            "weights take per-expert biases)")
         for i, b in enumerate(biases):
             if not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,):
                 raise ValueError(f"biases[{i}] must have shape ({n},)")
@@ -47,19 +51,45 @@ def check_params(inp, weights, biases) -> Tuple[int, int, int]:
     return len(weights), n, k
 
 
+def _check_stacked(inp, weight: torch.Tensor, bias) -> Tuple[int, int, int]:
+    """One (G, N, K) weight and optionally one (G, N) bias."""
+    if weight.dim() != 3 or weight.shape[0] == 0:
+        raise ValueError(f"weights as one tensor must be (num_gemms, out_features, in_features), got shape "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype != inp.dtype or weight.device != inp.device:
+        raise TypeError(f"weights is {weight.dtype} on {weight.device}; expected the input's {inp.dtype} on "
+                        f"{inp.device}")
+    if not weight.is_contiguous():
+        raise ValueError("weights as one (num_gemms, out_features, in_features) tensor must be contiguous")
+    g, n, k = weight.shape
+    if inp.shape[-1] != k:
+        raise ValueError(f"inp's last dim is {inp.shape[-1]} but the weights' in_features is {k}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (g, n):
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"biases with a stacked weight must be one ({g}, {n}) tensor, got {got}")
+        if bias.dtype != inp.dtype or bias.device != inp.device:
+            raise TypeError(f"biases is {bias.dtype} on {bias.device}; expected {inp.dtype} on {inp.device}")
+    return g, n, k
+
+
 def check_main_grads(weights) -> None:
-    """fuse_wgrad_accumulation: when any weight trains, every weight needs an
-    fp32 ``main_grad`` of its shape on its device (one grouped product adds
-    into all of them; checked before any GPU work)."""
+    """fuse_wgrad_accumulation: when any weight trains, every weight (or the
+    one stacked weight) needs an fp32 ``main_grad`` of its shape on its
+    device (one grouped product adds into all of them; checked before any
+    GPU work)."""
+    stacked = isinstance(weights, torch.Tensor)
+    weights = [weights] if stacked else list(weights)
     if not any(w.requires_grad for w in weights):
         return
     for i, w in enumerate(weights):
+        name = "weights" if stacked else f"weights[{i}]"
         mg = getattr(w, "main_grad", None)
         if not isinstance(mg, torch.Tensor):
-            raise AttributeError(f"fuse_wgrad_accumulation=True needs weights[{i}].main_grad (an fp32 tensor of "
+            raise AttributeError(f"fuse_wgrad_accumulation=True needs {name}.main_grad (an fp32 tensor of "
                                  f"shape {tuple(w.shape)} the weight gradient is added into)")
         if mg.dtype != torch.float32 or mg.shape != w.shape or mg.device != w.device:
-            raise ValueError(f"weights[{i}].main_grad must be fp32 {tuple(w.shape)} on {w.device}, got "
+            raise ValueError(f"{name}.main_grad must be fp32 {tuple(w.shape)} on {w.device}, got "
                              f"{mg.dtype} {tuple(mg.shape)} on {mg.device}")
 
 

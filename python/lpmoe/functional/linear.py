@@ -44,7 +44,7 @@ Recipes (see :mod:`lpmoe.recipe`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -52,7 +52,9 @@ from lpmoe._async_inputs import ready
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
-from lpmoe.functional.linear_steps import backward_steps, linear_forward, per_expert
+from lpmoe.functional.linear_steps import backward_steps, linear_forward
+from lpmoe.functional.params import (Params, any_requires_grad, as_inputs, from_inputs, grads_for, input_count,
+                                     is_stacked)
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
 from lpmoe.library.routing import OPS, tracing
@@ -73,6 +75,7 @@ class LinearConfig:
     grad_enabled: bool  # read at call time: Function.forward always runs with grad disabled
     need: Needs
     fuse_wgrad_accumulation: bool = False
+    stacked: bool = False  # one (G, N, K) weight (+ (G, N) bias) instead of G of each
 
 
 def linear_forward_impl(x2d: torch.Tensor, splits: Splits, weights, biases, cfg: LinearConfig):
@@ -102,14 +105,14 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, splits, cfg: LinearConfig, *params):
-        num = cfg.num
-        weights = list(params[:num])
-        biases = list(params[num:]) if cfg.has_bias else None
+        num = input_count(cfg.num, cfg.stacked)
+        weights = from_inputs(params[:num], cfg.stacked)
+        biases = from_inputs(params[num:], cfg.stacked) if cfg.has_bias else None
         out, (sx, sw) = linear_forward_impl(x2d, splits, weights, biases, cfg)
         saved.save(ctx, sx, sw)
         ctx.cfg, ctx.splits = cfg, splits
         ctx.main_grad_weights = weights if cfg.fuse_wgrad_accumulation else None
-        ctx.shape = (num,) + tuple(weights[0].shape)
+        ctx.shape = (cfg.num,) + tuple(params[0].shape[-2:])
         ctx.dtype = x2d.dtype
         return out
 
@@ -120,22 +123,20 @@ class _GroupedLinear(torch.autograd.Function):
         dgrad, w_grads, b_grads = linear_backward_impl(grad_out, saved_x, saved_w, ctx.splits, cfg, ctx.shape,
                                                        ctx.dtype, ctx.main_grad_weights)
         ctx.main_grad_weights = None
-        grads = [dgrad, None, None] + per_expert(w_grads, cfg.num)
+        grads = [dgrad, None, None] + grads_for(w_grads, cfg.num, cfg.stacked)
         if cfg.has_bias:
-            grads += per_expert(b_grads, cfg.num)
+            grads += grads_for(b_grads, cfg.num, cfg.stacked)
         return tuple(grads)
 
 
 def needs_of(x: torch.Tensor, weights, biases, grad_enabled: bool) -> Needs:
     """Which gradients a call must produce (what autograd would ask for)."""
-    return Needs(dgrad=grad_enabled and x.requires_grad,
-                 wgrad=grad_enabled and any(w.requires_grad for w in weights),
-                 dbias=grad_enabled and biases is not None and any(b.requires_grad for b in biases))
+    return Needs(dgrad=grad_enabled and x.requires_grad, wgrad=grad_enabled and any_requires_grad(weights),
+                 dbias=grad_enabled and any_requires_grad(biases))
 
 
 # ------------------------------------------------------------------ public
-def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
-                   biases: Optional[Sequence[torch.Tensor]] = None, recipe: Optional[Recipe] = None, *,
+def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optional[Params] = None, recipe: Optional[Recipe] = None, *,
                    weight_cache: Optional[WeightCache] = None,
                    is_first_microbatch: Optional[bool] = None,
                    fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
@@ -148,8 +149,12 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
         m_splits: tokens per expert: an int tensor on the input's CUDA device
             (graph-safe, never read on the host), or a list of ints / a CPU
             int tensor (host path; validated).  See the module docstring.
-        weights: G tensors (out_features, in_features), the input's dtype.
-        biases: None or G tensors (out_features,).
+        weights: G tensors (out_features, in_features), the input's dtype,
+            or one contiguous (G, out_features, in_features) tensor (a
+            stacked parameter: its gradient is one (G, N, K) tensor; see
+            lpmoe.functional.params).
+        biases: None, G tensors (out_features,), or with a stacked weight
+            one (G, out_features) tensor.
         recipe: an :mod:`lpmoe.recipe` recipe; None = the active
             :func:`lpmoe.autocast` recipe (or none: input-dtype GEMMs).  To
             force high precision inside an autocast block, nest
@@ -191,15 +196,15 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Sequence[torch.Tensor],
     if tracing():
         check_recipe(recipe, inp.dtype, n, k, splits_for_checks(m_splits, g, x2d.shape[0], inp.device), inp.is_cuda,
                      inp.device)
-        out = OPS["grouped_linear"](x2d.contiguous(), m_splits, list(weights), biases, recipe, weight_cache,
-                                       is_first_microbatch, fuse_wgrad_accumulation, need)
+        out = OPS["grouped_linear"](x2d.contiguous(), m_splits, weights, biases, recipe, weight_cache,
+                                    is_first_microbatch, fuse_wgrad_accumulation, need)
         return out.view(*inp.shape[:-1], n)
     splits = parse_splits(m_splits, g, x2d.shape[0], inp.device)
     check_recipe(recipe, inp.dtype, n, k, splits, inp.is_cuda, inp.device)
     if fuse_wgrad_accumulation and grad_enabled:
         check_main_grads(weights)
     cfg = LinearConfig(policy_for(recipe), g, biases is not None, weight_cache, is_first_microbatch, grad_enabled,
-                       need, fuse_wgrad_accumulation)
-    params = list(weights) + (list(biases) if biases is not None else [])
+                       need, fuse_wgrad_accumulation, is_stacked(weights))
+    params = as_inputs(weights) + as_inputs(biases)
     out = _GroupedLinear.apply(x2d.contiguous(), splits, cfg, *params)
     return out.view(*inp.shape[:-1], n)

@@ -12,7 +12,7 @@ from lpmoe.gemm import grouped_gemm
 from lpmoe.policy import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
 
 __all__ = ["linear_forward", "backward_steps", "dgrad_step", "wgrad_step", "bias_step", "bias_grad",
-           "fused_wgrad_results", "per_expert"]
+           "fused_wgrad_results"]
 
 # Width of the ones operand of the bias-gradient GEMM: the narrowest the
 # grouped kernels take (N and K multiples of 16).
@@ -93,14 +93,6 @@ def backward_steps(policy: LinearPolicy, grad: Grad, saved_x, saved_w, splits, n
     return dx, w_grads, bias_step(grad, splits, need, dtype)
 
 
-def per_expert(grads, num: int) -> List[Optional[torch.Tensor]]:
-    """A (G, ...) gradient (or an already per-expert list, or None) as the
-    G per-expert tensors autograd returns for the G parameters."""
-    if grads is None:
-        return [None] * num
-    return list(grads) if isinstance(grads, list) else list(grads.unbind(0))
-
-
 def _stacked_main_grads(weights) -> Optional[torch.Tensor]:
     """The G main_grads as one (G, N, K) view when they are consecutive,
     contiguous pieces of one buffer (as a training framework's flat gradient
@@ -118,10 +110,13 @@ def _stacked_main_grads(weights) -> Optional[torch.Tensor]:
 
 def _accumulate_main_grads(weights, wgrad_into) -> None:
     """Adds the weight gradients into the weights' main_grads (fp32): in the
-    wgrad GEMM's epilogue when the main_grads form one buffer, else through
-    one fp32 product and G adds.  On the GPU both add the same fp32 product
-    with one rounding (bitwise equal); the CPU reference rounds its fp64
-    product only once in the fused case."""
+    wgrad GEMM's epilogue when the main_grads form one buffer (always, for a
+    stacked weight), else through one fp32 product and G adds.  On the GPU
+    both add the same fp32 product with one rounding (bitwise equal); the CPU
+    reference rounds its fp64 product only once in the fused case."""
+    if isinstance(weights, torch.Tensor):
+        wgrad_into(weights.main_grad, True)
+        return
     stacked = _stacked_main_grads(weights)
     if stacked is not None:
         wgrad_into(stacked, True)
@@ -131,11 +126,14 @@ def _accumulate_main_grads(weights, wgrad_into) -> None:
         w.main_grad.add_(t)
 
 
-def fused_wgrad_results(weights) -> List[Optional[torch.Tensor]]:
+def fused_wgrad_results(weights):
     """What autograd gets for the weights once their gradient went into
     main_grad (TransformerEngine's convention, which Megatron relies on): a
     placeholder tensor with ``grad_added_to_main_grad`` set, where the weight
-    has that attribute (so its gradient hooks still fire), else None."""
+    has that attribute (so its gradient hooks still fire), else None.  A
+    list for per-expert weights, one entry for a stacked weight."""
+    if isinstance(weights, torch.Tensor):
+        return fused_wgrad_results([weights])[0]
     out: List[Optional[torch.Tensor]] = []
     for w in weights:
         if hasattr(w, "grad_added_to_main_grad"):

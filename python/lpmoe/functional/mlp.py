@@ -23,7 +23,7 @@ recipes run the same sequence with a high-precision activation in between
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -34,7 +34,8 @@ from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
 from lpmoe.functional.linear import needs_of
-from lpmoe.functional.linear_steps import backward_steps, linear_forward, per_expert
+from lpmoe.functional.linear_steps import backward_steps, linear_forward
+from lpmoe.functional.params import Params, as_inputs, from_inputs, grads_for, input_count, is_stacked
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
 from lpmoe.grouped_tensor import GroupedTensor
@@ -51,10 +52,12 @@ CALLS = {"grouped_mlp": 0}
 
 @dataclass
 class LayerParams:
-    """One grouped linear layer of the MLP: G weights (out, in), optional G
-    biases, and the options of :func:`lpmoe.functional.grouped_linear`."""
-    weights: Sequence[torch.Tensor]
-    biases: Optional[Sequence[torch.Tensor]] = None
+    """One grouped linear layer of the MLP: G weights (out, in) and optional
+    G biases, or one stacked (G, out, in) weight and optional (G, out) bias
+    (lpmoe.functional.params), and the options of
+    :func:`lpmoe.functional.grouped_linear`."""
+    weights: Params
+    biases: Optional[Params] = None
     weight_cache: Optional[WeightCache] = None
     fuse_wgrad_accumulation: bool = False
 
@@ -67,6 +70,7 @@ class _Layer:
     weight_cache: Optional[WeightCache]
     fuse_wgrad_accumulation: bool
     shape: tuple = field(default=())
+    stacked: bool = False
 
 
 @dataclass
@@ -82,8 +86,10 @@ class MLPConfig:
 
 
 def split_params(params, layer: _Layer):
-    n = layer.num
-    return list(params[:n]), (list(params[n:2 * n]) if layer.has_bias else None), n * (2 if layer.has_bias else 1)
+    """(weights, biases or None, inputs used) of ``layer`` at the front of ``params``."""
+    n = input_count(layer.num, layer.stacked)
+    biases = from_inputs(params[n:2 * n], layer.stacked) if layer.has_bias else None
+    return from_inputs(params[:n], layer.stacked), biases, n * (2 if layer.has_bias else 1)
 
 
 def mlp_needs(x, probs, fc1, fc2, grad_enabled: bool) -> Tuple[Needs, Needs, bool]:
@@ -195,12 +201,13 @@ class _GroupedMLP(torch.autograd.Function):
 def mlp_grads_list(cfg: MLPConfig, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads, extra_none: int) -> list:
     """Gradients in the order (x, probs, <extra_none Nones>, fc1 weights,
     fc1 biases, fc2 weights, fc2 biases)."""
-    grads = [dx, dprobs] + [None] * extra_none + per_expert(w1_grads, cfg.fc1.num)
-    if cfg.fc1.has_bias:
-        grads += per_expert(b1_grads, cfg.fc1.num)
-    grads += per_expert(w2_grads, cfg.fc2.num)
-    if cfg.fc2.has_bias:
-        grads += per_expert(b2_grads, cfg.fc2.num)
+    l1, l2 = cfg.fc1, cfg.fc2
+    grads = [dx, dprobs] + [None] * extra_none + grads_for(w1_grads, l1.num, l1.stacked)
+    if l1.has_bias:
+        grads += grads_for(b1_grads, l1.num, l1.stacked)
+    grads += grads_for(w2_grads, l2.num, l2.stacked)
+    if l2.has_bias:
+        grads += grads_for(b2_grads, l2.num, l2.stacked)
     return grads
 
 
@@ -225,6 +232,22 @@ def _layer(params: LayerParams, name: str):
     if not isinstance(params.fuse_wgrad_accumulation, bool):
         raise TypeError(f"{name}.fuse_wgrad_accumulation must be a bool, got {params.fuse_wgrad_accumulation!r}")
     return params
+
+
+def _check_fc2(inp, fc2: LayerParams, g: int, hidden: int, ffn: int) -> None:
+    ws = fc2.weights
+    if isinstance(ws, torch.Tensor):
+        if tuple(ws.shape) != (g, hidden, ffn):
+            raise ValueError(f"fc2.weights as one tensor must be (G={g}, hidden={hidden}, ffn={ffn}), got "
+                             f"{tuple(ws.shape)}")
+    else:
+        if not isinstance(ws, (list, tuple)) or len(ws) != g:
+            raise ValueError(f"fc2.weights must be a list of {g} tensors (one per expert), got "
+                             f"{len(ws) if isinstance(ws, (list, tuple)) else type(ws).__name__}")
+        if not isinstance(ws[0], torch.Tensor) or tuple(ws[0].shape) != (hidden, ffn):
+            raise ValueError(f"fc2.weights must be (hidden={hidden}, ffn={ffn}) per expert, got "
+                             f"{tuple(ws[0].shape) if isinstance(ws[0], torch.Tensor) else type(ws[0]).__name__}")
+    check_params(inp.new_empty((0, ffn)), ws, fc2.biases)
 
 
 def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams, *,
@@ -254,19 +277,11 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
     inp, m_splits, probs = ready(inp), ready(m_splits), ready(probs)
     fc1, fc2 = _layer(fc1, "fc1"), _layer(fc2, "fc2")
     spec = parse_activation(activation)
-    g, w, hidden = check_params(inp, list(fc1.weights) if isinstance(fc1.weights, (list, tuple)) else fc1.weights,
-                                fc1.biases)
+    g, w, hidden = check_params(inp, fc1.weights, fc1.biases)
     if spec.is_glu and w % 2:
         raise ValueError(f"{spec.kind} needs fc1's out_features to be even (gate and value halves), got {w}")
     ffn = w // 2 if spec.is_glu else w
-    if not isinstance(fc2.weights, (list, tuple)) or len(fc2.weights) != g:
-        raise ValueError(f"fc2.weights must be a list of {g} tensors (one per expert), got "
-                         f"{len(fc2.weights) if isinstance(fc2.weights, (list, tuple)) else type(fc2.weights).__name__}")
-    w20 = fc2.weights[0]
-    if not isinstance(w20, torch.Tensor) or tuple(w20.shape) != (hidden, ffn):
-        raise ValueError(f"fc2.weights must be (hidden={hidden}, ffn={ffn}) per expert, got "
-                         f"{tuple(w20.shape) if isinstance(w20, torch.Tensor) else type(w20).__name__}")
-    check_params(inp.new_empty((0, ffn)), fc2.weights, fc2.biases)
+    _check_fc2(inp, fc2, g, hidden, ffn)
     if recipe is None:
         recipe = get_autocast_recipe()
     x2d = inp.reshape(-1, hidden)
@@ -283,7 +298,7 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
     if torch.is_grad_enabled():
         for lp in (fc1, fc2):
             if lp.fuse_wgrad_accumulation:
-                check_main_grads(list(lp.weights))
+                check_main_grads(lp.weights)
     grad_enabled = torch.is_grad_enabled()
     needs = mlp_needs(inp, p, fc1, fc2, grad_enabled)
     if tracing():  # (the op counts its own runs: lpmoe.library.layer_ops.CALLS)
@@ -291,11 +306,12 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
         return out.view(*inp.shape[:-1], hidden)
     policy = policy_for(recipe)
     l1 = _Layer(policy, g, fc1.biases is not None, fc1.weight_cache, fc1.fuse_wgrad_accumulation,
-                (g, w, hidden))
+                (g, w, hidden), is_stacked(fc1.weights))
     l2 = _Layer(policy, g, fc2.biases is not None, fc2.weight_cache, fc2.fuse_wgrad_accumulation,
-                (g, hidden, ffn))
+                (g, hidden, ffn), is_stacked(fc2.weights))
     cfg = MLPConfig(spec, l1, l2, p is not None, is_first_microbatch, grad_enabled, needs)
     CALLS["grouped_mlp"] += 1
-    params: List[torch.Tensor] = list(fc1.weights) + list(fc1.biases or []) + list(fc2.weights) + list(fc2.biases or [])
+    params: List[torch.Tensor] = (as_inputs(fc1.weights) + as_inputs(fc1.biases) + as_inputs(fc2.weights)
+                                  + as_inputs(fc2.biases))
     out = _GroupedMLP.apply(x2d.contiguous(), p, splits, cfg, *params)
     return out.view(*inp.shape[:-1], hidden)

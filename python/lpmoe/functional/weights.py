@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -101,57 +101,63 @@ def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(weights)).view(len(weights) * n, k)
 
 
-def _quantized_weights(weights, quantizer, cache: Optional[WeightCache], is_first_microbatch,
+def _quantized_weights(w2d: torch.Tensor, g: int, quantizer, cache: Optional[WeightCache], is_first_microbatch,
                        capturing: bool) -> GroupedTensor:
-    """Quantize the weights per ``is_first_microbatch`` semantics:
+    """Quantize the (G*N, K) weights per ``is_first_microbatch`` semantics:
     None = quantize now, no caching; True = quantize into the cache;
     False = reuse the cache (quantizing into it if it is missing or unfit)."""
-    g = len(weights)
-    n, k = weights[0].shape
     if cache is None:
-        return group_quantize(stack_weights(weights), quantizer, num_tensors=g)
-    fit = cache.usable_for(quantizer, g, (g * n, k), weights[0].dtype, weights[0].device)
+        return group_quantize(w2d, quantizer, num_tensors=g)
+    fit = cache.usable_for(quantizer, g, tuple(w2d.shape), w2d.dtype, w2d.device)
     if capturing:
         if is_first_microbatch is False and fit:
             return cache.quantized  # the graph reads whatever the cache holds at replay
         if fit:  # refresh in place (fixed pointers), skippable at replay time
-            group_quantize(stack_weights(weights), cache.quantized.quantizer, num_tensors=g,
-                           output=cache.quantized, noop_flag=cache._flag(weights[0].device))
+            group_quantize(w2d, cache.quantized.quantizer, num_tensors=g, output=cache.quantized,
+                           noop_flag=cache._flag(w2d.device))
             return cache.quantized
-        cache.quantized = group_quantize(stack_weights(weights), quantizer, num_tensors=g)
+        cache.quantized = group_quantize(w2d, quantizer, num_tensors=g)
         return cache.quantized
-    cache._flag(weights[0].device)  # exists before any capture
+    cache._flag(w2d.device)  # exists before any capture
     if is_first_microbatch is None:
-        return group_quantize(stack_weights(weights), quantizer, num_tensors=g)
+        return group_quantize(w2d, quantizer, num_tensors=g)
     if is_first_microbatch is False and fit:
         return cache.quantized
     if fit:  # in place: pointers stay stable for graphs captured later
-        return group_quantize(stack_weights(weights), cache.quantized.quantizer, num_tensors=g,
-                              output=cache.quantized)
-    cache.quantized = group_quantize(stack_weights(weights), quantizer, num_tensors=g)
+        return group_quantize(w2d, cache.quantized.quantizer, num_tensors=g, output=cache.quantized)
+    cache.quantized = group_quantize(w2d, quantizer, num_tensors=g)
     return cache.quantized
 
 
 class WeightSource:
-    """The G weights of one layer call and how to quantize them
+    """The weights of one layer call (G tensors (N, K) or one stacked
+    (G, N, K) tensor, see lpmoe.functional.params) and how to quantize them
     (:func:`_quantized_weights` semantics for ``is_first_microbatch``)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], cache: Optional[WeightCache],
-                 is_first_microbatch: Optional[bool], grad_enabled: bool):
-        self.params: List[torch.Tensor] = list(params)
+    def __init__(self, params, cache: Optional[WeightCache], is_first_microbatch: Optional[bool],
+                 grad_enabled: bool):
+        #: what the GEMMs and the backward take: the list, or the stacked tensor
+        self.params = params if isinstance(params, torch.Tensor) else list(params)
         self.cache = cache
         self.is_first_microbatch = is_first_microbatch
         self.grad_enabled = grad_enabled
 
     @property
     def shape(self) -> Tuple[int, int, int]:
+        if isinstance(self.params, torch.Tensor):
+            g, n, k = self.params.shape
+            return g, n, k
         n, k = self.params[0].shape
         return len(self.params), n, k
 
     def quantized(self, quantizer) -> GroupedTensor:
-        w = self.params[0]
-        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
-        return _quantized_weights(self.params, quantizer, self.cache, self.is_first_microbatch, capturing)
+        w2d = self.stacked()
+        capturing = w2d.is_cuda and torch.cuda.is_current_stream_capturing()
+        return _quantized_weights(w2d, self.shape[0], quantizer, self.cache, self.is_first_microbatch, capturing)
 
     def stacked(self) -> torch.Tensor:
+        """(G*N, K): a view of a stacked weight, else :func:`stack_weights`."""
+        if isinstance(self.params, torch.Tensor):
+            g, n, k = self.params.shape
+            return self.params.detach().view(g * n, k)
         return stack_weights(self.params)

@@ -30,6 +30,7 @@ from lpmoe.activation.spec import Activation
 from lpmoe.functional import linear as lin
 from lpmoe.functional import mlp
 from lpmoe.functional.checks import check_recipe
+from lpmoe.functional.params import as_inputs, from_inputs, grads_for, is_stacked, shape_of
 from lpmoe.functional.splits import Splits, parse_splits
 from lpmoe.functional.weights import WeightCache, cache_by_key
 from lpmoe.library import saved_layout, specs
@@ -93,7 +94,7 @@ def _linear_config(c: dict, fake: bool) -> lin.LinearConfig:
     cache = None if fake or c["first"] is None or c["cache"] < 0 else cache_by_key(c["cache"])
     first = None if cache is None else c["first"]
     return lin.LinearConfig(policy_for(specs.decode(c["recipe"])), c["num"], c["bias"], cache, first, c["grad"],
-                            _needs(c["need"]), False)
+                            _needs(c["need"]), False, c["stacked"])
 
 
 def _linear_inputs(x, m_splits, weights, biases) -> Dict[str, Tensor]:
@@ -104,14 +105,17 @@ def _linear_inputs(x, m_splits, weights, biases) -> Dict[str, Tensor]:
 
 
 def _linear_forward(x, m_splits, host, weights, biases, config, fake):
+    """``weights`` / ``biases``: the op's tensor lists (one entry each for
+    stacked parameters)."""
     c = specs.parse(config)
     cfg = _linear_config(c, fake)
     splits = _splits(m_splits, host, c["num"], x.shape[0], x.device, fake)
     if not fake:
         CALLS["grouped_linear"] += 1
-        check_recipe(specs.decode(c["recipe"]), x.dtype, weights[0].shape[0], weights[0].shape[1], splits, x.is_cuda,
-                     x.device)
-    out, objs = lin.linear_forward_impl(x, splits, weights, biases, cfg)
+        _, n, k = c["shape"]
+        check_recipe(specs.decode(c["recipe"]), x.dtype, n, k, splits, x.is_cuda, x.device)
+    out, objs = lin.linear_forward_impl(x, splits, from_inputs(weights, cfg.stacked),
+                                        from_inputs(biases, cfg.stacked) if biases else None, cfg)
     key = config + "|" + _signature(x, m_splits, weights)
     return out, saved_layout.flatten(key, objs, _linear_inputs(x, m_splits, weights, biases))
 
@@ -161,19 +165,20 @@ def _linear_setup(ctx, inputs, output):
     key = config + "|" + _signature(x, m_splits, weights)
     tensors, k = saved_layout.inputs_to_save(key, _linear_inputs(x, m_splits, weights, biases))
     ctx.save_for_backward(m_splits, *tensors, *output[1])
-    ctx.meta = (host, config, key, k, len(weights), biases is not None)
+    ctx.meta = (host, config, key, k, biases is not None)
 
 
 def _linear_backward(ctx, grad_out, _grad_saved):
-    host, config, key, k, g, has_bias = ctx.meta
+    host, config, key, k, has_bias = ctx.meta
     m_splits, *saved = ctx.saved_tensors
     args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
     res = _grouped_linear_backward(*args) if tracing() else _linear_backward_run(*args, False)
-    need = _needs(specs.parse(config)["need"])
+    c = specs.parse(config)
+    need, g, stacked = _needs(c["need"]), c["num"], c["stacked"]
     dx = res.pop(0) if need.dgrad else None
     # list inputs get a list back (autograd checks the structure): Nones where not needed
-    dw = list(res.pop(0).unbind(0)) if need.wgrad else [None] * g
-    db = (list(res.pop(0).unbind(0)) if need.dbias else [None] * g) if has_bias else []
+    dw = grads_for(res.pop(0) if need.wgrad else None, g, stacked)
+    db = grads_for(res.pop(0) if need.dbias else None, g, stacked) if has_bias else []
     return dx, None, None, dw, db, None
 
 
@@ -183,13 +188,14 @@ _grouped_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch, need: Needs) -> tuple:
     """Arguments of ``lpmoe::grouped_linear`` for one call."""
     tensor = isinstance(m_splits, torch.Tensor)
-    g, (n, k) = len(weights), weights[0].shape
+    g, n, k = shape_of(weights)
     config = specs.json_constant({"recipe": specs.encode(recipe), "num": g, "bias": biases is not None,
+                         "stacked": is_stacked(weights),
                          "cache": _cache_key(weight_cache, is_first_microbatch), "first": is_first_microbatch,
                          "grad": torch.is_grad_enabled(), "need": [need.dgrad, need.wgrad, need.dbias],
                          "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype)})
-    return (x2d, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits], list(weights),
-            [] if biases is None else list(biases), config)
+    return (x2d, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits], as_inputs(weights),
+            as_inputs(biases), config)
 
 
 def grouped_linear(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch,
@@ -208,7 +214,7 @@ OPS["grouped_linear"] = grouped_linear
 # ================================================================== MLP
 def _mlp_layer(c: dict, name: str, policy, fake: bool) -> mlp._Layer:
     cache = None if fake or c["first"] is None or c[name]["cache"] < 0 else cache_by_key(c[name]["cache"])
-    return mlp._Layer(policy, c["num"], c[name]["bias"], cache, False, tuple(c[name]["shape"]))
+    return mlp._Layer(policy, c["num"], c[name]["bias"], cache, False, tuple(c[name]["shape"]), c[name]["stacked"])
 
 
 def _mlp_config(c: dict, fake: bool) -> mlp.MLPConfig:
@@ -297,23 +303,26 @@ def _mlp_setup(ctx, inputs, output):
     key = config + "|" + _signature(x, m_splits, w1 + w2)
     tensors, k = saved_layout.inputs_to_save(key, _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2))
     ctx.save_for_backward(m_splits, *tensors, *output[1])
-    ctx.meta = (host, config, key, k, len(w1), b1 is not None, b2 is not None)
+    ctx.meta = (host, config, key, k, b1 is not None, b2 is not None)
 
 
 def _mlp_backward(ctx, grad_out, _grad_saved):
-    host, config, key, k, g, has_b1, has_b2 = ctx.meta
+    host, config, key, k, has_b1, has_b2 = ctx.meta
     m_splits, *saved = ctx.saved_tensors
     args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
     res = _grouped_mlp_backward(*args) if tracing() else _mlp_backward_run(*args, False)
-    need1, need2, need_probs = (_needs(v) if isinstance(v, list) else v for v in specs.parse(config)["needs"])
-    # list inputs get a list back (autograd checks the structure): Nones where not needed
-    take = lambda flag: list(res.pop(0).unbind(0)) if flag else [None] * g  # noqa: E731
+    c = specs.parse(config)
+    need1, need2, need_probs = (_needs(v) if isinstance(v, list) else v for v in c["needs"])
+    g = c["num"]
+
+    def take(flag, layer):  # list inputs get a list back (autograd checks the structure)
+        return grads_for(res.pop(0) if flag else None, g, c[layer]["stacked"])
     dx = res.pop(0) if need1.dgrad else None
     dprobs = res.pop(0) if need_probs else None
-    w1g = take(need1.wgrad)
-    b1g = take(need1.dbias) if has_b1 else []
-    w2g = take(need2.wgrad)
-    b2g = take(need2.dbias) if has_b2 else []
+    w1g = take(need1.wgrad, "fc1")
+    b1g = take(need1.dbias, "fc1") if has_b1 else []
+    w2g = take(need2.wgrad, "fc2")
+    b2g = take(need2.dbias, "fc2") if has_b2 else []
     return (dx, dprobs, None, None, w1g, b1g, w2g, b2g, None)
 
 
@@ -324,13 +333,12 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
     """Arguments of ``lpmoe::grouped_mlp`` for one call (fc1/fc2 are
     lpmoe.functional.LayerParams)."""
     tensor = isinstance(m_splits, torch.Tensor)
-    g = len(fc1.weights)
+    g = shape_of(fc1.weights)[0]
     need1, need2, need_probs = needs
 
     def layer(lp):
-        n, k = lp.weights[0].shape
         return {"cache": _cache_key(lp.weight_cache, is_first_microbatch), "bias": lp.biases is not None,
-                "shape": [g, n, k]}
+                "shape": list(shape_of(lp.weights)), "stacked": is_stacked(lp.weights)}
 
     config = specs.json_constant({"recipe": specs.encode(recipe), "act": specs.encode(spec), "num": g,
                          "fc1": layer(fc1), "fc2": layer(fc2), "probs": probs is not None,
@@ -339,7 +347,7 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
                          "needs": [[need1.dgrad, need1.wgrad, need1.dbias], [need2.dgrad, need2.wgrad, need2.dbias],
                                    need_probs], "dtype": specs.dtype_name(x2d.dtype)})
     return (x2d, probs, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits],
-            list(fc1.weights), list(fc1.biases or []), list(fc2.weights), list(fc2.biases or []), config)
+            as_inputs(fc1.weights), as_inputs(fc1.biases), as_inputs(fc2.weights), as_inputs(fc2.biases), config)
 
 
 def grouped_mlp(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_first_microbatch, needs) -> Tensor:

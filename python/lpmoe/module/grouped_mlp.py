@@ -15,7 +15,8 @@ __all__ = ["GroupedMLP"]
 
 def layer_params(linear: GroupedLinear) -> LayerParams:
     """A GroupedLinear's parameters and options, for lpmoe.functional.grouped_mlp."""
-    return LayerParams(linear.weights, linear.biases, linear.weight_cache, linear.fuse_wgrad_accumulation)
+    weights, biases = linear.functional_params()
+    return LayerParams(weights, biases, linear.weight_cache, linear.fuse_wgrad_accumulation)
 
 
 class GroupedMLP(torch.nn.Module):
@@ -40,6 +41,9 @@ class GroupedMLP(torch.nn.Module):
             weights in place (default: GroupedLinear's).
         fuse_wgrad_accumulation: add weight gradients into ``main_grad``
             (see GroupedLinear).
+        single_grouped_parameter: each layer holds one stacked (G, out, in)
+            weight parameter instead of G (see GroupedLinear); state dicts
+            keep the per-expert keys.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int,
@@ -47,7 +51,7 @@ class GroupedMLP(torch.nn.Module):
                  params_dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cuda",
                  init_method: Optional[Callable[[torch.Tensor], None]] = None,
                  output_layer_init_method: Optional[Callable[[torch.Tensor], None]] = None,
-                 fuse_wgrad_accumulation: bool = False):
+                 fuse_wgrad_accumulation: bool = False, single_grouped_parameter: bool = False):
         super().__init__()
         self.activation = parse_activation(activation)
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
@@ -57,7 +61,8 @@ class GroupedMLP(torch.nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
-        kw = dict(bias=bias, params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        kw = dict(bias=bias, params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                  single_grouped_parameter=single_grouped_parameter)
         self.linear_fc1 = GroupedLinear(num_experts, hidden_size, self.activation.input_width(ffn_hidden_size),
                                         init_method=init_method, **kw)
         self.linear_fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size,

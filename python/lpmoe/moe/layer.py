@@ -64,6 +64,10 @@ class MoELayer(torch.nn.Module):
             static and the step is graph-safe.
         dispatch_fp8: send the dispatched rows as FP8 (1x128 blocks, about
             half the bytes; needs expert parallelism and H % 128 == 0).
+        single_grouped_parameter: the experts' layers hold one stacked
+            (E_local, out, in) weight each instead of E_local (less host
+            work per step; see lpmoe.GroupedLinear); the state dict is the
+            same.
 
     The state dict numbers experts globally (``experts.linear_fc1.weight{e}``
     for global expert e) on every rank, so a single-GPU state dict loads on
@@ -77,7 +81,7 @@ class MoELayer(torch.nn.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, normalize: Optional[bool] = None,
                  capacity_factor: Optional[float] = None, dispatch_fp8: bool = False, bias: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cuda",
-                 init_method=None, output_layer_init_method=None):
+                 init_method=None, output_layer_init_method=None, single_grouped_parameter: bool = False):
         super().__init__()
         if capacity_factor is not None and (isinstance(capacity_factor, bool) or
                                             not isinstance(capacity_factor, (int, float)) or
@@ -104,7 +108,8 @@ class MoELayer(torch.nn.Module):
         self.num_local_experts = num_experts // self.ep_size
         self.experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size, activation=activation,
                                   bias=bias, params_dtype=params_dtype, device=device, init_method=init_method,
-                                  output_layer_init_method=output_layer_init_method)
+                                  output_layer_init_method=output_layer_init_method,
+                                  single_grouped_parameter=single_grouped_parameter)
         self.dispatch_fp8 = bool(dispatch_fp8)
         self.aux_loss_scale = 1.0
         self.aux_loss: Optional[torch.Tensor] = None
