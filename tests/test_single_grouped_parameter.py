@@ -211,3 +211,22 @@ def test_gpu_stacked_compiled_equals_eager(recipe):
         assert torch.equal(yc, ye) and torch.equal(dxc, dxe)
         assert all(torch.equal(u, p.grad) for u, p in zip(gc, b.parameters()))
     assert counter.frame_count == 1
+
+
+def test_ops_sequential_stacked_takes_the_fused_path_and_matches():
+    from lpmoe.functional import mlp as fmlp
+    from lpmoe.ops import GroupedLinear, Sequential, SwiGLU
+    outs = []
+    for stacked in (False, True):
+        torch.manual_seed(0)
+        kw = dict(bias=True, device="cpu", params_dtype=torch.bfloat16, single_grouped_parameter=stacked)
+        seq = Sequential(GroupedLinear(G, H, 2 * F, **kw), SwiGLU(), GroupedLinear(G, F, H, **kw))
+        x = torch.randn(64, H, dtype=torch.bfloat16, requires_grad=True)
+        before = fmlp.CALLS["grouped_mlp"]
+        with lpmoe.autocast(recipe=Float8BlockScaling()):
+            y = seq(x, [16, 0, 40, 8])
+        y.float().square().sum().backward()
+        assert fmlp.CALLS["grouped_mlp"] == before + 1
+        outs.append((y, x.grad, torch.cat([p.grad.reshape(-1) for p in seq.parameters()])))
+    (ya, da, ga), (yb, db, gb) = outs
+    assert torch.equal(ya, yb) and torch.equal(da, db) and torch.equal(ga.sort().values, gb.sort().values)

@@ -21,5 +21,6 @@ class GroupedLinear(BasicOperation, _GroupedLinearModule):
     takes_m_splits = True
 
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        return grouped_linear(inp, m_splits, self.weights, self.biases, self.active_recipe(),
+        weights, biases = self.functional_params()
+        return grouped_linear(inp, m_splits, weights, biases, self.active_recipe(),
                               weight_cache=self.weight_cache, is_first_microbatch=is_first_microbatch)
