@@ -84,7 +84,9 @@ class Windows:
         self.pos, self.passes = 0, 0
 
     def _order(self):
-        return self.starts[torch.randperm(len(self.starts), generator=self.gen)] if self.gen is not None else self.starts
+        if self.gen is None:
+            return self.starts
+        return self.starts[torch.randperm(len(self.starts), generator=self.gen)]
 
     def __len__(self):  # whole batches in one pass
         return len(self.starts) // self.batch_size

@@ -136,7 +136,8 @@ def needs_of(x: torch.Tensor, weights, biases, grad_enabled: bool) -> Needs:
 
 
 # ------------------------------------------------------------------ public
-def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optional[Params] = None, recipe: Optional[Recipe] = None, *,
+def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optional[Params] = None,
+                   recipe: Optional[Recipe] = None, *,
                    weight_cache: Optional[WeightCache] = None,
                    is_first_microbatch: Optional[bool] = None,
                    fuse_wgrad_accumulation: bool = False) -> torch.Tensor:

@@ -52,8 +52,8 @@ def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, dtype: torch.dt
     """Weight gradients dy^T . x.  With ``main_grad_weights``
     (fuse_wgrad_accumulation) they are added into the weights' fp32
     ``main_grad`` instead of being returned.  Returns a (G, N, K) tensor, or
-    with main_grad_weights the per-expert list autograd gets, or None
-    (:func:`per_expert` splits them)."""
+    with main_grad_weights what autograd gets (:func:`fused_wgrad_results`),
+    or None (lpmoe.functional.params.grads_for hands them to autograd)."""
     if not need.wgrad:
         return None
     dy_op = grad.take("wgrad")

@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from lpmoe.functional.params import shape_of
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library.routing import tracing
 from lpmoe.quantize import group_quantize
@@ -101,31 +102,34 @@ def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(weights)).view(len(weights) * n, k)
 
 
-def _quantized_weights(w2d: torch.Tensor, g: int, quantizer, cache: Optional[WeightCache], is_first_microbatch,
-                       capturing: bool) -> GroupedTensor:
-    """Quantize the (G*N, K) weights per ``is_first_microbatch`` semantics:
+def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> GroupedTensor:
+    """Quantize ``src``'s weights per ``is_first_microbatch`` semantics:
     None = quantize now, no caching; True = quantize into the cache;
-    False = reuse the cache (quantizing into it if it is missing or unfit)."""
+    False = reuse the cache (quantizing into it if it is missing or unfit).
+    The (G*N, K) operand is made only when something is quantized: reusing
+    the cache stacks nothing (a copy, for weights not back to back)."""
+    cache, first = src.cache, src.is_first_microbatch
+    g, n, k = src.shape
     if cache is None:
-        return group_quantize(w2d, quantizer, num_tensors=g)
-    fit = cache.usable_for(quantizer, g, tuple(w2d.shape), w2d.dtype, w2d.device)
+        return group_quantize(src.stacked(), quantizer, num_tensors=g)
+    fit = cache.usable_for(quantizer, g, (g * n, k), src.dtype, src.device)
     if capturing:
-        if is_first_microbatch is False and fit:
+        if first is False and fit:
             return cache.quantized  # the graph reads whatever the cache holds at replay
         if fit:  # refresh in place (fixed pointers), skippable at replay time
-            group_quantize(w2d, cache.quantized.quantizer, num_tensors=g, output=cache.quantized,
-                           noop_flag=cache._flag(w2d.device))
+            group_quantize(src.stacked(), cache.quantized.quantizer, num_tensors=g, output=cache.quantized,
+                           noop_flag=cache._flag(src.device))
             return cache.quantized
-        cache.quantized = group_quantize(w2d, quantizer, num_tensors=g)
+        cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
         return cache.quantized
-    cache._flag(w2d.device)  # exists before any capture
-    if is_first_microbatch is None:
-        return group_quantize(w2d, quantizer, num_tensors=g)
-    if is_first_microbatch is False and fit:
+    cache._flag(src.device)  # exists before any capture
+    if first is None:
+        return group_quantize(src.stacked(), quantizer, num_tensors=g)
+    if first is False and fit:
         return cache.quantized
     if fit:  # in place: pointers stay stable for graphs captured later
-        return group_quantize(w2d, cache.quantized.quantizer, num_tensors=g, output=cache.quantized)
-    cache.quantized = group_quantize(w2d, quantizer, num_tensors=g)
+        return group_quantize(src.stacked(), cache.quantized.quantizer, num_tensors=g, output=cache.quantized)
+    cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
     return cache.quantized
 
 
@@ -144,16 +148,23 @@ class WeightSource:
 
     @property
     def shape(self) -> Tuple[int, int, int]:
-        if isinstance(self.params, torch.Tensor):
-            g, n, k = self.params.shape
-            return g, n, k
-        n, k = self.params[0].shape
-        return len(self.params), n, k
+        return shape_of(self.params)
+
+    @property
+    def _first(self) -> torch.Tensor:
+        return self.params if isinstance(self.params, torch.Tensor) else self.params[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._first.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._first.device
 
     def quantized(self, quantizer) -> GroupedTensor:
-        w2d = self.stacked()
-        capturing = w2d.is_cuda and torch.cuda.is_current_stream_capturing()
-        return _quantized_weights(w2d, self.shape[0], quantizer, self.cache, self.is_first_microbatch, capturing)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return _quantized_weights(self, quantizer, capturing)
 
     def stacked(self) -> torch.Tensor:
         """(G*N, K): a view of a stacked weight, else :func:`stack_weights`."""
