@@ -6,9 +6,9 @@
 #   LPMOE_TESTS="tests/x.py" LPMOE_BENCH="benchmarks/bench_y.py" narrow a run.
 #
 # A build from an earlier run can be reused: the script copies the built
-# extension and a hash of the sources to $OUT/ (when OUT is set); put them in
-# .build_carry/ and carry that folder, and a run with unchanged sources skips
-# the build.
+# extension (stripped, xz-compressed) and a hash of the sources to $OUT/
+# (when OUT is set); put them in .build_carry/ and carry that folder, and a
+# run with unchanged sources skips the build.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -33,8 +33,8 @@ fi
 src_hash=$( (cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat) | sha256sum | cut -c1-16)
 t0=$(date +%s)
 so_glob="python/lpmoe/_C*.so"
-if ls .build_carry/_C*.so >/dev/null 2>&1 && [ "$(cat .build_carry/SRC_HASH 2>/dev/null)" = "$src_hash" ]; then
-  cp .build_carry/_C*.so python/lpmoe/ && build="reused ($src_hash)"
+if ls .build_carry/_C*.so.xz >/dev/null 2>&1 && [ "$(cat .build_carry/SRC_HASH 2>/dev/null)" = "$src_hash" ]; then
+  for z in .build_carry/_C*.so.xz; do xz -dc "$z" > "python/lpmoe/$(basename "$z" .xz)"; done && build="reused ($src_hash)"
 else
   if python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
     build="built in $(( $(date +%s) - t0 )) s"
@@ -42,8 +42,12 @@ else
     tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
   fi
 fi
-# Debug info makes the extension too large to come back through $OUT: strip it.
-for so in $so_glob; do strip --strip-debug -o "$OUT/$(basename "$so")" "$so" 2>/dev/null || cp "$so" "$OUT/"; done
+# Stripped and compressed, the extension fits what comes back through $OUT
+# (16 MiB per file; the stripped .so alone is larger).
+for so in $so_glob; do
+  strip --strip-debug -o "/tmp/$(basename "$so")" "$so" 2>/dev/null || cp "$so" /tmp/
+  xz -6 -T0 -c "/tmp/$(basename "$so")" > "$OUT/$(basename "$so").xz"
+done
 echo "$src_hash" > "$OUT/SRC_HASH"
 summary+=("build|$build")
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"

@@ -426,6 +426,23 @@ class GroupedTensor:
         return cls(num_tensors=n, logical_shape=shape, dtype=dtype, quantizer=quantizer,
                    with_gemm_swizzled_scales=swizzled, _trusted_offsets=True, **dict(zip(names, tensors)))
 
+    @classmethod
+    def _rebuild(cls, static: tuple, fields: dict) -> "GroupedTensor":
+        """Library-internal inverse of :meth:`flatten` for a group lpmoe made
+        and saved itself (a layer's backward).  Its buffers and offsets were
+        validated when it was made, so nothing is checked or recomputed here:
+        a backward rebuilds several groups per call, and at launch-bound
+        sizes the checks cost more host time than the kernels they feed.
+        ``static``: (num_tensors, logical_shape, dtype, quantizer,
+        with_gemm_swizzled_scales); ``fields``: tensors by field name
+        (``offsets_status`` included), absent = None."""
+        g = cls.__new__(cls)
+        g.num_tensors, g.logical_shape, g.dtype, g.quantizer, g.with_gemm_swizzled_scales = static
+        for f in _TENSOR_FIELDS:
+            setattr(g, f, fields.get(f))
+        g.offsets_status = fields.get("offsets_status")
+        return g
+
     # ------------------------------------------------------------ host views
     def member_shapes(self) -> List[Tuple[int, int]]:
         """Per-member (M_t, K_t).  Reads device dims: **host sync**."""

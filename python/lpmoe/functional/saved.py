@@ -60,7 +60,7 @@ def load(ctx) -> list:
         elif kind == "list":
             out.append(part)
         else:
-            out.append(GroupedTensor.unflatten(part, meta))
+            out.append(GroupedTensor._rebuild(meta[1:], dict(zip(meta[0], part))))  # made by lpmoe: trusted
     return out
 
 

@@ -117,7 +117,7 @@ def _linear_forward(x, m_splits, host, weights, biases, config, fake):
     out, objs = lin.linear_forward_impl(x, splits, from_inputs(weights, cfg.stacked),
                                         from_inputs(biases, cfg.stacked) if biases else None, cfg)
     key = config + "|" + _signature(x, m_splits, weights)
-    return out, saved_layout.flatten(key, objs, _linear_inputs(x, m_splits, weights, biases))
+    return out, saved_layout.flatten(key, objs, _linear_inputs(x, m_splits, weights, biases), fake)
 
 
 @torch.library.custom_op("lpmoe::grouped_linear", mutates_args=())
@@ -189,11 +189,11 @@ def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_firs
     """Arguments of ``lpmoe::grouped_linear`` for one call."""
     tensor = isinstance(m_splits, torch.Tensor)
     g, n, k = shape_of(weights)
-    config = specs.json_constant({"recipe": specs.encode(recipe), "num": g, "bias": biases is not None,
-                         "stacked": is_stacked(weights),
-                         "cache": _cache_key(weight_cache, is_first_microbatch), "first": is_first_microbatch,
-                         "grad": torch.is_grad_enabled(), "need": [need.dgrad, need.wgrad, need.dbias],
-                         "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype)})
+    config = specs.json_constant({
+        "format": saved_layout.FORMAT, "recipe": specs.encode(recipe), "num": g, "bias": biases is not None,
+        "stacked": is_stacked(weights), "cache": _cache_key(weight_cache, is_first_microbatch),
+        "first": is_first_microbatch, "grad": torch.is_grad_enabled(), "need": [need.dgrad, need.wgrad, need.dbias],
+        "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype)})
     return (x2d, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits], as_inputs(weights),
             as_inputs(biases), config)
 
@@ -245,7 +245,7 @@ def _mlp_forward(x, probs, m_splits, host, w1, b1, w2, b2, config, fake):
     params = list(w1) + list(b1 or []) + list(w2) + list(b2 or [])
     y, objs = mlp.mlp_forward_impl(x, probs, splits, params, cfg)
     key = config + "|" + _signature(x, m_splits, w1 + w2)
-    return y, saved_layout.flatten(key, objs, _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2))
+    return y, saved_layout.flatten(key, objs, _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2), fake)
 
 
 @torch.library.custom_op("lpmoe::grouped_mlp", mutates_args=())
@@ -340,12 +340,13 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
         return {"cache": _cache_key(lp.weight_cache, is_first_microbatch), "bias": lp.biases is not None,
                 "shape": list(shape_of(lp.weights)), "stacked": is_stacked(lp.weights)}
 
-    config = specs.json_constant({"recipe": specs.encode(recipe), "act": specs.encode(spec), "num": g,
-                         "fc1": layer(fc1), "fc2": layer(fc2), "probs": probs is not None,
-                         "probs_dtype": specs.dtype_name(probs.dtype) if probs is not None else None,
-                         "first": is_first_microbatch, "grad": torch.is_grad_enabled(),
-                         "needs": [[need1.dgrad, need1.wgrad, need1.dbias], [need2.dgrad, need2.wgrad, need2.dbias],
-                                   need_probs], "dtype": specs.dtype_name(x2d.dtype)})
+    config = specs.json_constant({
+        "format": saved_layout.FORMAT, "recipe": specs.encode(recipe), "act": specs.encode(spec), "num": g,
+        "fc1": layer(fc1), "fc2": layer(fc2), "probs": probs is not None,
+        "probs_dtype": specs.dtype_name(probs.dtype) if probs is not None else None,
+        "first": is_first_microbatch, "grad": torch.is_grad_enabled(),
+        "needs": [[need1.dgrad, need1.wgrad, need1.dbias], [need2.dgrad, need2.wgrad, need2.dbias], need_probs],
+        "dtype": specs.dtype_name(x2d.dtype)})
     return (x2d, probs, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits],
             as_inputs(fc1.weights), as_inputs(fc1.biases), as_inputs(fc2.weights), as_inputs(fc2.biases), config)
 

@@ -18,24 +18,61 @@ is kept in a table under a key made of them (the layer ops build it): the fake i
 (at run time) produce the same layout, and the backward reads it.  When the
 real forward holds a quantized copy with more directions than the layout
 (e.g. a weight cache kept both), only the layout's buffers are saved.
+
+Host cost: the first real call per key walks the objects generically and
+checks them against the traced layout; it then records a plan (which
+attribute holds which output, which ones need a clone), so later calls
+only gather tensors with identity and static-metadata checks, and the
+backward rebuilds GroupedTensors without re-validating them (lpmoe made
+them).  A call that deviates from the plan takes the generic walk again,
+which raises if the layout really differs.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from lpmoe.grouped_tensor import GroupedTensor
-from lpmoe.library.grouped_codec import FIELDS, grouped_from_meta, meta_of
+from lpmoe.library import specs
+from lpmoe.library.grouped_codec import FIELDS, meta_of
 
-__all__ = ["flatten", "inputs_to_save", "rebuild", "LAYOUTS"]
+__all__ = ["flatten", "inputs_to_save", "rebuild", "LAYOUTS", "CALLS", "FORMAT"]
+
+#: Version of what the layer ops return for their backward.  It is part of
+#: every layer op's configuration string, a constant of the compiled graph,
+#: so compiled artifacts cached on disk by an lpmoe with another saved
+#: layout miss the cache instead of failing Inductor's output checks.
+FORMAT = 2
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}
+#: layout key -> _Plan recorded on the first real call (fast path of later calls)
+_PLANS: Dict[str, "_Plan"] = {}
+#: layout key -> (input paths in save order, rebuild steps)
+_REBUILD: Dict[str, tuple] = {}
+#: which flatten path ran (tests prove the planned path is taken)
+CALLS = {"walked": 0, "planned": 0}
+
+
+#: views into buffers up to this size go out as the whole buffer (see _Flattener.ref)
+_SMALL_BUFFER = 1 << 16
 
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+def _small_view(t: torch.Tensor) -> bool:
+    """t is part of a storage of at most _SMALL_BUFFER bytes."""
+    nbytes = t.untyped_storage().nbytes()
+    return nbytes <= _SMALL_BUFFER and not (t.storage_offset() == 0 and t.is_contiguous() and
+                                            t.numel() * t.element_size() == nbytes)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of t's dtype spanning t's entire storage."""
+    return t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
 
 
 class _Flattener:
@@ -43,8 +80,10 @@ class _Flattener:
         self.by_id = {id(t): path for path, t in inputs.items() if t is not None}
         self.input_storages = {_storage(t) for t in inputs.values() if t is not None}
         self.fresh: List[torch.Tensor] = []
+        self.originals: List[torch.Tensor] = []  # fresh[i] before any clone
         self.fresh_ids: Dict[int, int] = {}
         self.storages = set()
+        self.whole_ids: Dict[int, int] = {}  # storage -> fresh index of the view spanning it
 
     def ref(self, t: torch.Tensor):
         path = self.by_id.get(id(t))
@@ -54,11 +93,27 @@ class _Flattener:
         if idx is not None:
             return ("out", idx)
         st = _storage(t)
+        if st not in self.input_storages:
+            w = self.whole_ids.get(st)
+            if w is None and st not in self.storages and _small_view(t):
+                # A view into a small buffer lpmoe allocated (the offset
+                # arrays of one launch): the whole buffer goes out once, as
+                # a view spanning it (no copy), and the backward cuts the
+                # views from it again; cloning each view would cost a launch.
+                w = self._add(_whole(t), st)
+                self.whole_ids[st] = w
+            if w is not None and self.fresh[w].dtype == t.dtype:
+                return ("view", w, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         keep = t.clone() if (st in self.storages or st in self.input_storages) else t
-        self.storages.add(_storage(keep))
-        self.fresh_ids[id(t)] = len(self.fresh)
+        return ("out", self._add(keep, _storage(keep), t))
+
+    def _add(self, keep: torch.Tensor, st: int, original: Optional[torch.Tensor] = None) -> int:
+        self.storages.add(st)
+        if original is not None:
+            self.fresh_ids[id(original)] = len(self.fresh)
         self.fresh.append(keep)
-        return ("out", len(self.fresh) - 1)
+        self.originals.append(keep if original is None else original)
+        return len(self.fresh) - 1
 
     def entry(self, obj, want=None):
         if obj is None:
@@ -79,8 +134,17 @@ class _Flattener:
         raise TypeError(f"cannot save a {type(obj).__name__} for backward")
 
 
-def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
-    """Fresh tensors of ``objs``; records (or follows) the layout under ``key``."""
+def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor], fake: bool = False) -> List[torch.Tensor]:
+    """Fresh tensors of ``objs``; records (or follows) the layout under
+    ``key``.  ``fake``: the call runs on fake tensors (tracing): no plan is
+    recorded from it."""
+    plan = _PLANS.get(key)
+    if plan is not None and not fake:
+        fresh = plan.gather(objs, inputs)
+        if fresh is not None:
+            CALLS["planned"] += 1
+            return fresh
+    CALLS["walked"] += 1
     known = LAYOUTS.get(key)
     fl = _Flattener(inputs)
     entries = []
@@ -95,7 +159,95 @@ def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor]) -> List[t
     elif known != layout:
         raise RuntimeError("lpmoe: the saved tensors of this call differ from the traced ones "
                            f"({layout} vs {known}); please report this")
+    if not fake and plan is None:
+        _PLANS[key] = _Plan(layout, objs, fl)
     return fl.fresh
+
+
+def _static_of(g: GroupedTensor) -> tuple:
+    # What meta_of encodes, compared without writing JSON (quantizers carry
+    # their JSON from construction: lpmoe._value_fields).
+    return (g.num_tensors, g.logical_shape, g.dtype, specs.encode(g.quantizer), g.with_gemm_swizzled_scales)
+
+
+class _Plan:
+    """A recorded flatten: per object, where each tensor goes.  Refs are
+    (0, path) an op input, (1, clone) a new output (cloned when it shared
+    storage on the recording call), (2, index) a tensor already taken,
+    (3, buffer ref, shape, stride, offset) a view into a small buffer that
+    goes out whole."""
+
+    def __init__(self, layout: tuple, objs: Sequence, fl: _Flattener):
+        cloned = [f is not t for f, t in zip(fl.fresh, fl.originals)]
+        self._seen_new = set()
+        self.steps = []
+        for e, obj in zip(layout, objs):
+            if e[0] == "none":
+                self.steps.append(("none", None, None))
+            elif e[0] == "t":
+                self.steps.append(("t", self._ref(e[1], cloned), None))
+            elif e[0] == "l":
+                self.steps.append(("l", tuple(self._ref(r, cloned) for r in e[1]), None))
+            else:
+                refs = tuple((f, self._ref(r, cloned)) for f, r in zip(FIELDS, e[1]) if r is not None)
+                self.steps.append(("g", refs, _static_of(obj)))
+
+    def _ref(self, r, cloned):
+        if r[0] == "in":
+            return (0, r[1])
+        if r[0] == "view":
+            return (3, self._ref(("out", r[1]), cloned), r[2], r[3], r[4])
+        idx = r[1]
+        if idx in self._seen_new:
+            return (2, idx)
+        self._seen_new.add(idx)
+        return (1, cloned[idx])
+
+    def gather(self, objs: Sequence, inputs: Dict[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """The fresh tensors, or None where this call deviates from the plan."""
+        if len(objs) != len(self.steps):
+            return None
+        fresh: List[torch.Tensor] = []
+        originals: List[torch.Tensor] = []
+        wholes: Dict[int, int] = {}  # storage -> fresh index of the view spanning it
+
+        def take(t, ref) -> bool:
+            kind, v = ref[0], ref[1]
+            if t is None:
+                return False
+            if kind == 3:  # (3, buffer ref, shape, stride, offset)
+                if tuple(t.shape) != ref[2] or t.stride() != ref[3] or t.storage_offset() != ref[4]:
+                    return False
+                st = _storage(t)
+                if v[0] == 1:  # the buffer's first view: the whole buffer goes out
+                    wholes[st] = len(fresh)
+                    whole = _whole(t)
+                    originals.append(whole)
+                    fresh.append(whole)
+                    return True
+                return wholes.get(st) == v[1]
+            if kind == 0:
+                return t is inputs.get(v)
+            if kind == 1:
+                originals.append(t)
+                fresh.append(t.clone() if v else t)
+                return True
+            return v < len(originals) and t is originals[v]
+
+        for (kind, refs, static), obj in zip(self.steps, objs):
+            if kind == "none":
+                ok = obj is None
+            elif kind == "t":
+                ok = isinstance(obj, torch.Tensor) and take(obj, refs)
+            elif kind == "l":
+                ok = isinstance(obj, (list, tuple)) and len(obj) == len(refs) and \
+                    all(take(t, r) for t, r in zip(obj, refs))
+            else:
+                ok = isinstance(obj, GroupedTensor) and _static_of(obj) == static and \
+                    all(take(getattr(obj, f), r) for f, r in refs)
+            if not ok:
+                return None
+        return fresh
 
 
 def _input_paths(layout) -> List[str]:
@@ -108,29 +260,61 @@ def _input_paths(layout) -> List[str]:
     return paths
 
 
+def _rebuild_plan(key: str) -> tuple:
+    plan = _REBUILD.get(key)
+    if plan is None:
+        layout = LAYOUTS[key]
+        paths = _input_paths(layout)
+        where = {p: i for i, p in enumerate(paths)}
+
+        def slot(r):  # index into inputs-then-fresh (+ the geometry of a view)
+            if r is None:
+                return None
+            if r[0] == "view":  # (buffer slot, shape, stride, offset)
+                return (len(paths) + r[1], r[2], r[3], r[4])
+            return where[r[1]] if r[0] == "in" else len(paths) + r[1]
+        steps = []
+        for e in layout:
+            if e[0] == "none":
+                steps.append(("none", None, None))
+            elif e[0] == "t":
+                steps.append(("t", slot(e[1]), None))
+            elif e[0] == "l":
+                steps.append(("l", tuple(slot(r) for r in e[1]), None))
+            else:
+                m = specs.parse(e[2])
+                static = (m["n"], tuple(m["shape"]), specs.dtype_from_name(m["dtype"]), specs.decode(m["q"]), m["swz"])
+                steps.append(("g", tuple((f, slot(r)) for f, r in zip(FIELDS, e[1]) if r is not None), static))
+        plan = _REBUILD[key] = (paths, tuple(steps))
+    return plan
+
+
 def inputs_to_save(key: str, inputs: Dict[str, torch.Tensor]) -> Tuple[List[torch.Tensor], int]:
     """(the op inputs the backward reads, how many) in the layout's order."""
-    paths = _input_paths(LAYOUTS[key])
+    paths = _rebuild_plan(key)[0]
     return [inputs[p] for p in paths], len(paths)
 
 
 def rebuild(key: str, saved: Sequence[torch.Tensor], num_inputs: int) -> list:
     """The saved objects from ``inputs_to_save`` + the op's fresh tensors."""
-    layout = LAYOUTS[key]
-    env = dict(zip(_input_paths(layout), saved[:num_inputs]))
-    fresh = saved[num_inputs:]
+    paths, steps = _rebuild_plan(key)
+    if num_inputs != len(paths):
+        raise RuntimeError(f"lpmoe: {num_inputs} saved inputs, the layout has {len(paths)}; please report this")
 
-    def get(r):
-        return None if r is None else (env[r[1]] if r[0] == "in" else fresh[r[1]])
+    def get(i):
+        if isinstance(i, int):
+            return saved[i]
+        whole = saved[i[0]]
+        return whole.as_strided(i[1], i[2], whole.storage_offset() + i[3])
 
     out = []
-    for e in layout:
-        if e[0] == "none":
+    for kind, ref, static in steps:
+        if kind == "none":
             out.append(None)
-        elif e[0] == "t":
-            out.append(get(e[1]))
-        elif e[0] == "l":
-            out.append([get(r) for r in e[1]])
+        elif kind == "t":
+            out.append(get(ref))
+        elif kind == "l":
+            out.append([get(i) for i in ref])
         else:
-            out.append(grouped_from_meta({f: get(r) for f, r in zip(FIELDS, e[1]) if r is not None}, e[2]))
+            out.append(GroupedTensor._rebuild(static, {f: get(i) for f, i in ref}))
     return out
