@@ -177,3 +177,54 @@ def test_quantized_buffers_checked():
 def test_from_tensors_all_empty_members_of_different_width():
     g = GroupedTensor.from_tensors([torch.zeros(0, 3), torch.zeros(0, 5)])
     assert g.shape_kind is ShapeKind.VARYING_LAST and g.logical_shape == (0, 8)
+
+
+def _count_offset_launches(monkeypatch):
+    calls = []
+    launch = GroupedTensor._launch_offsets
+
+    def counted(self, *args):
+        calls.append(self.logical_shape)
+        return launch(self, *args)
+    monkeypatch.setattr(GroupedTensor, "_launch_offsets", counted)
+    return calls
+
+
+def test_sharing_offsets_scope(monkeypatch):
+    from lpmoe.grouped_tensor import sharing_offsets
+    calls = _count_offset_launches(monkeypatch)
+    dims = torch.tensor([3, 0, 5])
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    a, b = GroupedTensor.from_dense(x, first_dims=dims), GroupedTensor.from_dense(y, first_dims=dims)
+    assert len(calls) == 2 and a.tensor_offsets is not b.tensor_offsets  # outside a scope: one launch each
+    with sharing_offsets():
+        c, d = GroupedTensor.from_dense(x, first_dims=dims), GroupedTensor.from_dense(y, first_dims=dims)
+        e = GroupedTensor.from_dense(torch.randn(10, 6), first_dims=dims)  # other width: other element offsets
+        f = GroupedTensor.from_dense(x, first_dims=dims.clone())  # other dims object: not assumed equal
+        with sharing_offsets():  # an inner scope starts empty
+            g = GroupedTensor.from_dense(x, first_dims=dims)
+    assert len(calls) == 2 + 4
+    assert c.tensor_offsets is d.tensor_offsets and c.padded_row_offsets is d.padded_row_offsets
+    assert c.offsets_status is d.offsets_status
+    for other in (e, f, g):
+        assert other.tensor_offsets is not c.tensor_offsets
+    assert torch.equal(c.tensor_offsets, a.tensor_offsets) and torch.equal(c.padded_row_offsets, a.padded_row_offsets)
+    assert torch.equal(e.tensor_offsets, torch.tensor([0, 18, 18, 48]))
+    GroupedTensor.from_dense(x, first_dims=dims)
+    assert len(calls) == 7  # the scope is gone
+
+
+def test_mlp_call_shares_offsets(monkeypatch):
+    """A GroupedMLP forward and backward each compute the offsets of one
+    width once (bf16, CPU: x and dy H wide, the activation and its gradient
+    F wide, each weight group once per direction)."""
+    import lpmoe
+    torch.manual_seed(0)
+    mlp = lpmoe.GroupedMLP(3, 32, 16, device="cpu", single_grouped_parameter=True)
+    x = torch.randn(20, 32, requires_grad=True)
+    calls = _count_offset_launches(monkeypatch)
+    y = mlp(x, torch.tensor([7, 0, 13]))
+    assert sorted(calls) == sorted([(20, 32), (20, 16), (96, 32), (96, 16)])
+    calls.clear()
+    y.sum().backward()
+    assert sorted(calls) == sorted([(20, 32), (20, 16), (96, 32), (96, 16)])

@@ -19,7 +19,9 @@ except the methods documented as host-syncing (``split``, ``members``,
 """
 from __future__ import annotations
 
+import contextlib
 import enum
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -31,13 +33,44 @@ from lpmoe.library.routing import tracing
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from lpmoe.reference.numerics import check_float_matrix
 
-__all__ = ["GroupedTensor", "ShapeKind"]
+__all__ = ["GroupedTensor", "ShapeKind", "sharing_offsets", "shares_offsets"]
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 _TENSOR_FIELDS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax",
                   "first_dims", "last_dims", "tensor_offsets", "padded_row_offsets")
+
+
+#: offsets memos of the active sharing_offsets scopes (innermost last)
+_OFFSET_SCOPES: List[dict] = []
+
+
+@contextlib.contextmanager
+def sharing_offsets():
+    """Inside this scope, groups made with the same dims tensor (the same
+    object) and the same logical shape share one offsets computation.  A
+    layer call builds several groups over one routing (x, the activation,
+    the gradients, each weight twice); at launch-bound sizes each launch
+    costs more host time than its kernel.  Scoped to one call, so the dims
+    cannot change in between and a CUDA-graph capture of the call records
+    every offsets launch it reads (new routing per replay stays correct);
+    the same objects are shared on fake tensors, so traced and real saved
+    layouts agree."""
+    _OFFSET_SCOPES.append({})
+    try:
+        yield
+    finally:
+        _OFFSET_SCOPES.pop()
+
+
+def shares_offsets(fn):
+    """Run ``fn`` in a :func:`sharing_offsets` scope."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with sharing_offsets():
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 class ShapeKind(enum.Enum):
@@ -244,11 +277,27 @@ class GroupedTensor:
 
     # ---------------------------------------------------------------- offsets
     def _compute_offsets(self) -> None:
-        """Fill tensor_offsets (+ padded_row_offsets) in one device launch."""
+        """Fill tensor_offsets (+ padded_row_offsets) in one device launch,
+        or take them from a group of the same dims and shape made earlier in
+        the same :func:`sharing_offsets` scope."""
         n = self.num_tensors
         rows, cols = self.logical_shape
         kind = self.shape_kind
         dev = self.device
+        memo = _OFFSET_SCOPES[-1] if _OFFSET_SCOPES else None
+        if memo is not None:
+            key = (kind, n, rows, cols, id(self.first_dims), id(self.last_dims), dev)
+            hit = memo.get(key)
+            if hit is not None:
+                self.tensor_offsets, self.padded_row_offsets, self.offsets_status = hit[:3]
+                return
+        self._launch_offsets(n, rows, cols, kind, dev)
+        if memo is not None:
+            # the dims stay referenced by the memo, so their ids stay unique in the scope
+            memo[key] = (self.tensor_offsets, self.padded_row_offsets, self.offsets_status, self.first_dims,
+                         self.last_dims)
+
+    def _launch_offsets(self, n: int, rows: int, cols: int, kind: ShapeKind, dev: torch.device) -> None:
         if kind in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST):
             strides = [cols] + [1] * len(PADDED_ROW_ALIGNS)
             aligns = [1] + list(PADDED_ROW_ALIGNS)

@@ -57,6 +57,7 @@ from lpmoe.functional.params import (Params, any_requires_grad, as_inputs, from_
                                      is_stacked)
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
+from lpmoe.grouped_tensor import shares_offsets
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import LinearPolicy, Needs, Tokens, policy_for
 from lpmoe.recipe import Recipe
@@ -78,6 +79,7 @@ class LinearConfig:
     stacked: bool = False  # one (G, N, K) weight (+ (G, N) bias) instead of G of each
 
 
+@shares_offsets
 def linear_forward_impl(x2d: torch.Tensor, splits: Splits, weights, biases, cfg: LinearConfig):
     """y and what the backward reads: (y, (saved_x, saved_w))."""
     need = cfg.need
@@ -86,6 +88,7 @@ def linear_forward_impl(x2d: torch.Tensor, splits: Splits, weights, biases, cfg:
     return out, (fw.saved_x if need.wgrad else None, fw.saved_w if need.dgrad else None)
 
 
+@shares_offsets
 def linear_backward_impl(grad_out: torch.Tensor, saved_x, saved_w, splits: Splits, cfg: LinearConfig,
                          shape: Tuple[int, int, int], dtype: torch.dtype, main_grad_weights=None):
     """(dx or None, weight grads (G, N, K) or None, bias grads (G, N) or None;

@@ -38,7 +38,7 @@ from lpmoe.functional.linear_steps import backward_steps, linear_forward
 from lpmoe.functional.params import Params, as_inputs, from_inputs, grads_for, input_count, is_stacked
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
-from lpmoe.grouped_tensor import GroupedTensor
+from lpmoe.grouped_tensor import GroupedTensor, shares_offsets
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Grad, LinearPolicy, Needs, Tokens, policy_for
 from lpmoe.policy.fp8_block import grad_views
@@ -105,6 +105,7 @@ def mlp_needs(x, probs, fc1, fc2, grad_enabled: bool) -> Tuple[Needs, Needs, boo
 SAVED = ("x1", "w1", "probs", "w2", "h", "x2")
 
 
+@shares_offsets
 def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig):
     """y and the saved objects (SAVED order)."""
     w1, b1, used = split_params(params, cfg.fc1)
@@ -124,6 +125,7 @@ def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig):
                fw2.saved_x if need2.wgrad else None)
 
 
+@shares_offsets
 def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=(None, None)):
     """Gradients (dx, dprobs, w1, b1, w2, b2 lists or None) from the saved
     objects, which ``take(name)`` hands over one at a time (so each can be
