@@ -273,6 +273,43 @@ def test_gpu_group_dequantize_bitexact(block_dim, columnwise, out_dtype):
     assert [tuple(t.shape) for t in yg.split()] == [(m, 144) for m in splits]
 
 
+def _kernel_launches():
+    from lpmoe._ext import ext
+    return ext().fp8_block_quantize_kernel_launches()  # (ring, persistent, tile)
+
+
+@requires_cuda
+@pytest.mark.parametrize("in_dtype,block_dim,directions,dbias,kernel", [
+    (torch.bfloat16, 1, "both", False, 0),
+    (torch.float16, 1, "both", False, 0),
+    (torch.bfloat16, 1, "row", False, 0),
+    (torch.bfloat16, 1, "col", False, 0),
+    (torch.float32, 1, "both", False, 1),
+    (torch.bfloat16, 1, "both", True, 1),
+    (torch.bfloat16, 2, "both", False, 2),
+])
+def test_gpu_quantize_kernel_choice_bitexact_many_tiles_per_cta(in_dtype, block_dim, directions, dbias, kernel):
+    # ~2400 tiles: every persistent CTA of the TMA ring walks its 3-stage
+    # ring several times (barrier phases flip); skewed members, a 3-row one,
+    # an empty one, a partial last column tile (K = 1040) and a capacity tail.
+    q = Float8BlockQuantizer(E4M3, block_dim=block_dim, rowwise=directions != "col",
+                             columnwise=directions != "row")
+    splits = [0, 20000, 3, 12000, 7997]
+    x = _rand(sum(splits), 1040, in_dtype)
+    before = _kernel_launches()
+    if dbias:
+        xd = x.cuda()
+        fd = torch.tensor(splits, device="cuda")
+        out, _ = lpmoe.group_quantize_dbias(xd, q, len(splits), first_dims=fd)
+        ref = lpmoe.group_quantize(x, q, len(splits), first_dims=fd.cpu())
+        _assert_same_members(ref, out)
+    else:
+        _gpu_vs_ref(x, q, splits, capacity_extra=300)
+    after = _kernel_launches()
+    ran = [a - b for a, b in zip(after, before)]
+    assert ran[kernel] >= 1 and sum(ran) == ran[kernel], ran
+
+
 @requires_cuda
 @pytest.mark.parametrize("block_dim", [1, 2])
 def test_gpu_dbias_exact_and_deterministic(block_dim):

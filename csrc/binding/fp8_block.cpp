@@ -61,6 +61,13 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
   LPMOE_CHECK_LAUNCH(fp8_block::launch_quantize(a, current_stream()), "fp8_block quantize");
 }
 
+std::tuple<int64_t, int64_t, int64_t> fp8_block_quantize_kernel_launches() {
+  using fp8_block::QuantizeKernel;
+  return {fp8_block::quantize_kernel_launches(QuantizeKernel::kRing),
+          fp8_block::quantize_kernel_launches(QuantizeKernel::kPersistent),
+          fp8_block::quantize_kernel_launches(QuantizeKernel::kTile)};
+}
+
 void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at::Tensor>& padded_row_offsets,
                             int64_t num_tensors, int64_t rows, const at::Tensor& out,
                             const c10::optional<at::Tensor>& noop) {

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("second"), py::arg("capacity_rows"),
         py::arg("device_index"));
   m.def("fp8_block_quantize", &lpmoe::binding::fp8_block_quantize);
+  m.def("fp8_block_quantize_kernel_launches", &lpmoe::binding::fp8_block_quantize_kernel_launches);
   m.def("fp8_block_dbias_reduce", &lpmoe::binding::fp8_block_dbias_reduce);
   m.def("fp8_block_dequantize", &lpmoe::binding::fp8_block_dequantize);
   m.def("mxfp8_quantize", &lpmoe::binding::mxfp8_quantize);

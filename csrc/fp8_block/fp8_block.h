@@ -50,6 +50,13 @@ struct QuantizeArgs {
 
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
 
+// Launches of each quantize kernel since the process started (so tests can
+// prove which one a call took): the TMA ring (1x128, 16-bit inputs), the
+// persistent cp.async kernel (1x128 with a transposed output otherwise),
+// one tile per CTA (128x128 blocks, rowwise-only fallbacks).
+enum class QuantizeKernel { kRing = 0, kPersistent = 1, kTile = 2, kCount = 3 };
+int64_t quantize_kernel_launches(QuantizeKernel kernel);
+
 struct DbiasReduceArgs {
   const float* workspace = nullptr;  // from launch_quantize
   GroupRows group;

@@ -8,14 +8,21 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
+
 #include "common/cuda_utils.h"
 #include "common/persistent_grid.h"
 #include "common/tile_stage.cuh"
+#include "fp8_block/quantize_ring.h"
 #include "fp8_block/tile_quantize.cuh"
 
 namespace lpmoe {
 namespace fp8_block {
 namespace {
+
+std::atomic<int64_t> g_launches[static_cast<int>(QuantizeKernel::kCount)];
+
+void count_launch(QuantizeKernel k) { g_launches[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 
 // ---- one tile per CTA (2D blocks and rowwise-only output: measured faster
 // this way, docs/perf-notes.md) --------------------------------------------
@@ -111,8 +118,18 @@ cudaError_t launch_persistent(const QuantizeArgs& a, int64_t tiles, cudaStream_t
 
 template <typename IType, bool kE5M2>
 cudaError_t launch_typed(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream) {
-  if (a.block_dim == 1 && a.out_col_data != nullptr) return launch_persistent<IType, kE5M2>(a, tiles, stream);
+  if (ring_quantize_applies(a)) {  // the TMA ring (quantize_ring.cu) where it applies
+    bool launched = false;
+    const cudaError_t err = launch_quantize_ring(a, tiles, stream, launched);
+    if (launched) count_launch(QuantizeKernel::kRing);
+    if (err != cudaSuccess || launched) return err;
+  }
+  if (a.block_dim == 1 && a.out_col_data != nullptr) {
+    count_launch(QuantizeKernel::kPersistent);
+    return launch_persistent<IType, kE5M2>(a, tiles, stream);
+  }
   if (tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  count_launch(QuantizeKernel::kTile);
   const dim3 grid(static_cast<unsigned>(tiles));
   if (a.block_dim == 2) {
     quantize_tile_kernel<IType, kE5M2, 2><<<grid, kThreads, 0, stream>>>(a);
@@ -180,6 +197,11 @@ cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
     case DType::kFloat16: return launch_fp8<__half>(a, tiles, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+int64_t quantize_kernel_launches(QuantizeKernel kernel) {
+  const int k = static_cast<int>(kernel);
+  return k >= 0 && k < static_cast<int>(QuantizeKernel::kCount) ? g_launches[k].load(std::memory_order_relaxed) : 0;
 }
 
 cudaError_t launch_dbias_reduce(const DbiasReduceArgs& a, cudaStream_t stream) {

@@ -101,6 +101,55 @@ __device__ __forceinline__ float half_warp_row_amax(const RawVec8<IType> (&raw)[
   }
 }
 
+// 1x128 row scales of a tile held as in process_tile: my_scale is the scale
+// of row 8g + own_row(c) (one IEEE division per lane), row_scale[r] that of
+// each of the thread's rows (shuffles inside the half-warp).
+template <typename IType, bool kE5M2>
+__device__ __forceinline__ void row_scales_1x128(const QuantizeArgs& args, const RawVec8<IType> (&raw)[kRowsPerThread],
+                                                 int c, int lane, float& my_scale, float (&row_scale)[kRowsPerThread]) {
+  const float mine = half_warp_row_amax<IType>(raw, c);
+  my_scale = compute_block_scale(mine, Fp8Traits<kE5M2>::kMax, args.pow2_scales, args.amax_epsilon,
+                                 InputTraits<IType>::max_finite());
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) row_scale[r] = __shfl_sync(0xffffffffu, my_scale, (lane & 16) | lane_of_row(r));
+}
+
+// Rowwise FP8 data of thread (c, g)'s 8 rows x 8 columns (8-byte stores,
+// rows past the member and columns past K skipped).
+template <typename IType, bool kE5M2>
+__device__ __forceinline__ void store_rowwise(const QuantizeArgs& args, const TileInfo& ti, int64_t col0,
+                                              const RawVec8<IType> (&raw)[kRowsPerThread],
+                                              const float (&row_scale)[kRowsPerThread], int c, int g, bool col_ok) {
+  const int64_t K = args.cols;
+  // This thread's first row; the next rows are K bytes further.
+  uint8_t* out = static_cast<uint8_t*>(args.out_data) + (ti.row0 + g * kRowsPerThread) * K + col0 + c * kVec;
+  const int rows_here = ti.rows_valid - g * kRowsPerThread;  // rows of this thread inside the member
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r, out += K) {
+    const float s = row_scale[r];
+    uint2 packed;
+    uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+    for (int e = 0; e < kVec; e += 2)
+      h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(elem<IType>(raw[r], e), s), __fmul_rn(elem<IType>(raw[r], e + 1), s));
+    if (col_ok && r < rows_here) *reinterpret_cast<uint2*>(out) = packed;
+  }
+}
+
+// 1x128 row scale_inv, (bX, round_up(M_t,4)) per member; rows in
+// [M_t, round_up(M_t,4)) are 0.  my_scale as from row_scales_1x128.
+__device__ __forceinline__ void store_row_scales_1x128(const QuantizeArgs& args, const TileInfo& ti, int tile_x,
+                                                       int bx_count, float my_scale, int c, int g) {
+  const int64_t ld = round_up<int64_t>(ti.m, 4);
+  float* sc = args.out_scale + bx_count * ti.pad4_start + tile_x * ld;
+  if ((c & 2) == 0) {  // one of the two lanes holding row 8g + own_row(c)
+    const int row = g * kRowsPerThread + own_row(c);
+    const int64_t lrow = ti.local_tile * kTile + row;
+    if (row < ti.rows_valid) sc[lrow] = __fdiv_rn(1.0f, my_scale);
+    else if (lrow < ld) sc[lrow] = 0.0f;
+  }
+}
+
 // Lane c's 8 column partials into red_row[8c .. 8c+7] as two 16-byte stores
 // (8 scalar stores at a 32-byte lane stride would be 4-way bank conflicted).
 __device__ __forceinline__ void store_partials(float* red_row, int c, const float (&v)[8]) {
@@ -176,14 +225,7 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const Til
 #pragma unroll
     for (int r = 0; r < kRowsPerThread; ++r) row_scale[r] = tile_scale;
   } else {
-    if (args.out_data != nullptr) {
-      // One IEEE division per lane (its own row), then shuffles.
-      const float mine = half_warp_row_amax<IType>(raw, c);
-      my_scale = compute_block_scale(mine, fp8_max, args.pow2_scales, args.amax_epsilon, inf_scale);
-#pragma unroll
-      for (int r = 0; r < kRowsPerThread; ++r)
-        row_scale[r] = __shfl_sync(0xffffffffu, my_scale, (lane & 16) | lane_of_row(r));
-    }
+    if (args.out_data != nullptr) row_scales_1x128<IType, kE5M2>(args, raw, c, lane, my_scale, row_scale);
     if (args.out_col_data != nullptr) {
       float a[kVec];
       column_amax16<IType>(raw, a);
@@ -201,28 +243,9 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const Til
 
   // ---- rowwise data + scales ---------------------------------------------
   if (args.out_data != nullptr) {
-    // This thread's first row; the next rows are K bytes further.
-    uint8_t* out = static_cast<uint8_t*>(args.out_data) + (ti.row0 + g * kRowsPerThread) * K + col0 + c * kVec;
-    const int rows_here = ti.rows_valid - g * kRowsPerThread;  // rows of this thread inside the member
-#pragma unroll
-    for (int r = 0; r < kRowsPerThread; ++r, out += K) {
-      const float s = row_scale[r];
-      uint2 packed;
-      uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-      for (int e = 0; e < kVec; e += 2) h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), s), __fmul_rn(V(r, e + 1), s));
-      if (col_ok && r < rows_here) *reinterpret_cast<uint2*>(out) = packed;
-    }
+    store_rowwise<IType, kE5M2>(args, ti, col0, raw, row_scale, c, g, col_ok);
     if constexpr (kBlockDim == 1) {
-      // (bX, round_up(M_t,4)) per member; rows in [M_t, round_up(M_t,4)) are 0.
-      const int64_t ld = round_up<int64_t>(ti.m, 4);
-      float* sc = args.out_scale + bx_count * ti.pad4_start + tile_x * ld;
-      if ((c & 2) == 0) {  // one of the two lanes holding row 8g + own_row(c)
-        const int row = g * kRowsPerThread + own_row(c);
-        const int64_t lrow = ti.local_tile * kTile + row;
-        if (row < ti.rows_valid) sc[lrow] = __fdiv_rn(1.0f, my_scale);
-        else if (lrow < ld) sc[lrow] = 0.0f;
-      }
+      store_row_scales_1x128(args, ti, tile_x, bx_count, my_scale, c, g);
     } else {
       if (threadIdx.x == 0) {
         const int ld = round_up(bx_count, 4);

@@ -1,5 +1,4 @@
-// Host-side TMA descriptors for K-major FP8 operands (driver API entry point
-// fetched through the runtime, so the extension does not link libcuda).
+// Host-side TMA descriptors for K-major FP8 operands (encoder: common/tensor_map.h).
 #pragma once
 
 #include <cuda.h>
