@@ -275,23 +275,23 @@ def test_gpu_group_dequantize_bitexact(block_dim, columnwise, out_dtype):
 
 def _kernel_launches():
     from lpmoe._ext import ext
-    return ext().fp8_block_quantize_kernel_launches()  # (ring, persistent, tile)
+    return ext().fp8_block_quantize_kernel_launches()  # (persistent, tile, tile_columns)
 
 
 @requires_cuda
 @pytest.mark.parametrize("in_dtype,block_dim,directions,dbias,kernel", [
-    (torch.bfloat16, 1, "both", False, 0),
-    (torch.float16, 1, "both", False, 0),
-    (torch.bfloat16, 1, "row", False, 0),
-    (torch.bfloat16, 1, "col", False, 0),
-    (torch.float32, 1, "both", False, 1),
-    (torch.bfloat16, 1, "both", True, 1),
-    (torch.bfloat16, 2, "both", False, 2),
+    (torch.bfloat16, 1, "both", False, 2),
+    (torch.float16, 1, "col", False, 2),
+    (torch.float32, 1, "both", False, 0),
+    (torch.bfloat16, 1, "both", True, 2),
+    (torch.float32, 1, "both", True, 0),
+    (torch.bfloat16, 1, "row", False, 1),
+    (torch.bfloat16, 2, "both", False, 1),
 ])
 def test_gpu_quantize_kernel_choice_bitexact_many_tiles_per_cta(in_dtype, block_dim, directions, dbias, kernel):
-    # ~2400 tiles: every persistent CTA of the TMA ring walks its 3-stage
-    # ring several times (barrier phases flip); skewed members, a 3-row one,
-    # an empty one, a partial last column tile (K = 1040) and a capacity tail.
+    # ~2400 tiles (each persistent CTA reuses its prefetch stage several
+    # times); skewed members, a 3-row one, an empty one, a partial last
+    # column tile (K = 1040) and a capacity tail.
     q = Float8BlockQuantizer(E4M3, block_dim=block_dim, rowwise=directions != "col",
                              columnwise=directions != "row")
     splits = [0, 20000, 3, 12000, 7997]

@@ -63,9 +63,9 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
 
 std::tuple<int64_t, int64_t, int64_t> fp8_block_quantize_kernel_launches() {
   using fp8_block::QuantizeKernel;
-  return {fp8_block::quantize_kernel_launches(QuantizeKernel::kRing),
-          fp8_block::quantize_kernel_launches(QuantizeKernel::kPersistent),
-          fp8_block::quantize_kernel_launches(QuantizeKernel::kTile)};
+  return {fp8_block::quantize_kernel_launches(QuantizeKernel::kPersistent),
+          fp8_block::quantize_kernel_launches(QuantizeKernel::kTile),
+          fp8_block::quantize_kernel_launches(QuantizeKernel::kTileColumns)};
 }
 
 void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at::Tensor>& padded_row_offsets,

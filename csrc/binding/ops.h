@@ -27,8 +27,8 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
                         const c10::optional<at::Tensor>& out_col_scale, bool pad_columnwise_tokens,
                         const c10::optional<at::Tensor>& noop, const c10::optional<at::Tensor>& dbias_workspace,
                         int64_t max_row_tiles);
-// Launch counts of the quantize kernels: (ring, persistent, tile); tests
-// use them to prove which kernel a call took.
+// Launch counts of the quantize kernels: (persistent, tile, tile_columns);
+// tests use them to prove which kernel a call took.
 std::tuple<int64_t, int64_t, int64_t> fp8_block_quantize_kernel_launches();
 void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at::Tensor>& padded_row_offsets,
                             int64_t num_tensors, int64_t rows, const at::Tensor& out,

@@ -51,10 +51,12 @@ struct QuantizeArgs {
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);
 
 // Launches of each quantize kernel since the process started (so tests can
-// prove which one a call took): the TMA ring (1x128, 16-bit inputs), the
-// persistent cp.async kernel (1x128 with a transposed output otherwise),
-// one tile per CTA (128x128 blocks, rowwise-only fallbacks).
-enum class QuantizeKernel { kRing = 0, kPersistent = 1, kTile = 2, kCount = 3 };
+// prove which one a call took): the persistent cp.async kernel (1x128 with a
+// transposed output: fp32 input, or an unpadded transposed copy of M % 8 !=
+// 0 tokens), one tile per CTA (128x128 blocks, rowwise only), one tile per
+// CTA with warp-local columns (1x128 with a transposed output, 16-bit
+// input).
+enum class QuantizeKernel { kPersistent = 0, kTile = 1, kTileColumns = 2, kCount = 3 };
 int64_t quantize_kernel_launches(QuantizeKernel kernel);
 
 struct DbiasReduceArgs {

@@ -13,7 +13,7 @@
 #include "common/cuda_utils.h"
 #include "common/persistent_grid.h"
 #include "common/tile_stage.cuh"
-#include "fp8_block/quantize_ring.h"
+#include "fp8_block/tile_columns.cuh"
 #include "fp8_block/tile_quantize.cuh"
 
 namespace lpmoe {
@@ -53,6 +53,53 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const Quanti
     }
   }
   process_tile<IType, kE5M2, kBlockDim>(args, ti, j, tile_x, raw, sm);
+}
+
+// ---- 1x128 with a transposed output, 16-bit inputs: one tile per CTA.  The
+// rows are quantized from registers; the columns by each warp from a swizzled
+// copy of the tile (tile_columns.cuh), one CTA barrier per tile instead of
+// the cross-warp column-amax and transpose phases of process_tile. --------
+template <typename IType, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 3) quantize_tile_columns_kernel(const QuantizeArgs args) {
+  if (args.noop != nullptr && *args.noop == 1.0f) return;
+  __shared__ __align__(16) uint8_t staged[kSwizzledTileBytes];
+  __shared__ __align__(16) float red[kWarps][kTile];  // dbias partials
+  const int64_t K = args.cols;
+  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
+  const int64_t j = blockIdx.x / bx_count;
+  const int tile_x = static_cast<int>(blockIdx.x % bx_count);
+  TileInfo ti;
+  if (!locate_tile(args.group, args.rows, j, ti)) return;  // the whole CTA: same tile
+  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const int lane = threadIdx.x & 31;
+  const bool col_ok = c * kVec < K - col0;
+  const IType* in = static_cast<const IType*>(args.input);
+  RawVec8<IType> raw[kRowsPerThread];
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int row = g * kRowsPerThread + r;
+    if (col_ok && row < ti.rows_valid) {
+      load_vec8<IType>(in + (ti.row0 + row) * K + col0 + c * kVec, raw[r]);
+    } else {
+      zero_vec8<IType>(raw[r]);
+    }
+  }
+  const uint32_t tile = static_cast<uint32_t>(__cvta_generic_to_shared(staged));
+  stage_swizzled_tile<IType>(tile, raw, c, g);
+  // same sums, same order as process_tile: the fused activation's dbias matches
+  if (args.dbias_workspace != nullptr) column_sum_partials<IType>(raw, red, threadIdx.x >> 5, lane, c);
+  if (args.out_data != nullptr) {
+    float my_scale, row_scale[kRowsPerThread];
+    row_scales_1x128<IType, kE5M2>(args, raw, c, lane, my_scale, row_scale);
+    store_rowwise<IType, kE5M2>(args, ti, col0, raw, row_scale, c, g, col_ok);
+    store_row_scales_1x128(args, ti, tile_x, bx_count, my_scale, c, g);
+  }
+  __syncthreads();
+  if (args.dbias_workspace != nullptr)
+    write_column_sums(args, red, j, col0, static_cast<int>(K - col0 < kTile ? K - col0 : kTile));
+  quantize_columns_1x128<IType, kE5M2>(args, ti, tile_x, tile, threadIdx.x >> 5, lane);
 }
 
 // ---- persistent driver: next tile streams into shared memory (cp.async,
@@ -118,17 +165,19 @@ cudaError_t launch_persistent(const QuantizeArgs& a, int64_t tiles, cudaStream_t
 
 template <typename IType, bool kE5M2>
 cudaError_t launch_typed(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream) {
-  if (ring_quantize_applies(a)) {  // the TMA ring (quantize_ring.cu) where it applies
-    bool launched = false;
-    const cudaError_t err = launch_quantize_ring(a, tiles, stream, launched);
-    if (launched) count_launch(QuantizeKernel::kRing);
-    if (err != cudaSuccess || launched) return err;
-  }
+  if (tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (a.block_dim == 1 && a.out_col_data != nullptr) {
+    // 16-bit inputs, whole 8-token chunks in the transposed copy
+    if constexpr (sizeof(IType) == 2) {
+      if (a.pad_columnwise_tokens || a.rows % 8 == 0) {
+        count_launch(QuantizeKernel::kTileColumns);
+        quantize_tile_columns_kernel<IType, kE5M2><<<dim3(static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(a);
+        return cudaGetLastError();
+      }
+    }
     count_launch(QuantizeKernel::kPersistent);
     return launch_persistent<IType, kE5M2>(a, tiles, stream);
   }
-  if (tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
   count_launch(QuantizeKernel::kTile);
   const dim3 grid(static_cast<unsigned>(tiles));
   if (a.block_dim == 2) {

@@ -158,6 +158,35 @@ __device__ __forceinline__ void store_partials(float* red_row, int c, const floa
   p[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// Fused bias gradient, first half: each warp's 16-row column sums of the
+// tile into red[warp] (rows summed in order, then the other row group).
+template <typename IType>
+__device__ __forceinline__ void column_sum_partials(const RawVec8<IType> (&raw)[kRowsPerThread],
+                                                    float (&red)[kWarps][kTile], int warp, int lane, int c) {
+  float s[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) acc += elem<IType>(raw[r], e);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 16);
+    s[e] = acc;
+  }
+  if (lane < 16) store_partials(red[warp], c, s);
+}
+
+// Second half, after a barrier: the tile's column sums, warps added in
+// order (a fixed order: bitwise reproducible), into the dbias workspace.
+__device__ __forceinline__ void write_column_sums(const QuantizeArgs& args, const float (&red)[kWarps][kTile],
+                                                  int64_t j, int64_t col0, int cols_valid) {
+  if (threadIdx.x < kTile && threadIdx.x < cols_valid) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) acc += red[w][threadIdx.x];
+    args.dbias_workspace[j * args.cols + col0 + threadIdx.x] = acc;
+  }
+}
+
 // Quantizes the tile `raw` (row tile j, column tile tile_x of args.cols)
 // into the outputs of `args` (input pointer unused).  Contains barriers: every
 // thread of the CTA must call it, and consecutive calls on one Smem must be
@@ -186,23 +215,9 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const Til
 
   // ---- fused bias gradient: per-tile column sums (fixed order) -----------
   if (args.dbias_workspace != nullptr) {
-    float s[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRowsPerThread; ++r) acc += V(r, e);
-      acc += __shfl_xor_sync(0xffffffffu, acc, 16);
-      s[e] = acc;
-    }
-    if (lane < 16) store_partials(red[warp], c, s);
+    column_sum_partials<IType>(raw, red, warp, lane, c);
     __syncthreads();
-    if (threadIdx.x < kTile && threadIdx.x < cols_valid) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) acc += red[w][threadIdx.x];
-      args.dbias_workspace[j * K + col0 + threadIdx.x] = acc;
-    }
+    write_column_sums(args, red, j, col0, cols_valid);
     __syncthreads();
   }
 

@@ -1,13 +1,30 @@
 #include "fp8_gemm/tensor_map.h"
 
-#include "common/tensor_map.h"
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
 
 namespace lpmoe {
 namespace fp8_gemm {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+}  // namespace
 
 bool encode_kmajor_fp8_map(CUtensorMap* map, int rank, const void* base, uint64_t k, uint64_t rows, uint64_t row_stride,
                            uint64_t members, uint64_t member_stride, uint32_t box_rows) {
-  auto fn = tensor_map_encoder();
+  auto fn = encode_fn();
   if (fn == nullptr || rank < 2 || rank > 3) return false;
   const cuuint64_t dims[3] = {k, rows, members};
   const cuuint64_t strides[2] = {row_stride, member_stride};  // bytes, dims 1..rank-1

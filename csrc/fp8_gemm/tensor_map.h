@@ -1,4 +1,5 @@
-// Host-side TMA descriptors for K-major FP8 operands (encoder: common/tensor_map.h).
+// Host-side TMA descriptors for K-major FP8 operands (driver API entry point
+// fetched through the runtime, so the extension does not link libcuda).
 #pragma once
 
 #include <cuda.h>
