@@ -3,6 +3,8 @@
 Bytes counted = input read once + every output written once (data + scales);
 NVFP4 quantize also reads its input a second time for the per-member amax,
 which is NOT counted (its ratio is therefore against the 1-pass floor).
+Kernels are timed as CUDA graphs of 10 calls (device time, as in
+bench_fp8_block.py), the copy eagerly.
 
     PYTHONPATH=python:benchmarks python benchmarks/bench_mx_formats.py
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import lpmoe
-from _common import copy_bandwidth_gbs, median_ms, parser, write_summary
+from _common import copy_bandwidth_gbs, graph_median_ms, parser, write_summary
 from lpmoe import MXFP8Quantizer, NVFP4Quantizer
 
 
@@ -48,7 +50,7 @@ def main():
             "nvfp4 dequant row": (lambda: lpmoe.group_dequantize(on, torch.bfloat16), e // 2 + e // 16 + 2 * e),
         }
         for op, (fn, nbytes) in ops.items():
-            ms = median_ms(fn)
+            ms = graph_median_ms(fn)  # device time (see bench_fp8_block.py)
             bw = nbytes / ms / 1e6
             r = bw / copy_bw
             worst[op] = min(worst.get(op, 9.9), r)
