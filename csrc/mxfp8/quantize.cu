@@ -131,8 +131,8 @@ __device__ __forceinline__ void prefetch_tile(const QuantizeArgs& args, const Mx
   cp_async_commit();
 }
 
-// Persistent CTAs: the next tile streams into shared memory (cp.async) while
-// the current one is reduced and quantized from registers.
+// Persistent CTAs (fp32 inputs): the next tile streams into shared memory
+// (cp.async) while the current one is reduced and quantized from registers.
 template <typename IType, bool kE5M2>
 __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArgs args) {
   if (args.noop != nullptr && *args.noop == 1.0f) return;
@@ -169,13 +169,44 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
   }
 }
 
+// One tile per CTA, loaded straight into registers (16-bit inputs): more
+// CTAs per SM than the persistent kernel, whose shared-memory stage limited
+// it to two; the same choice that made the FP8 block kernels faster
+// (docs/perf-notes.md, v13).
+template <typename IType, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const QuantizeArgs args) {
+  if (args.noop != nullptr && *args.noop == 1.0f) return;
+  __shared__ float red[kWarps][kTile];
+  MxTile t;
+  if (!locate_mx_tile(args.members, args.rows, args.cols, args.numel, blockIdx.x, t)) return;  // whole CTA
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const bool col_ok = c * kVec < t.cols_valid;
+  const IType* in = static_cast<const IType*>(args.input);
+  RawVec8<IType> raw[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = g * kRows + r;
+    if (col_ok && row < t.rows_valid) {
+      load_vec8<IType>(in + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec, raw[r]);
+    } else {
+      zero_vec8<IType>(raw[r]);
+    }
+  }
+  process_tile<IType, kE5M2>(args, t, raw, red);
+}
+
 template <typename IType, bool kE5M2>
 cudaError_t launch_kernel(const QuantizeArgs& a, cudaStream_t s) {
-  auto kernel = quantize_kernel<IType, kE5M2>;
-  const int stage_bytes = kTile * kTile * static_cast<int>(sizeof(IType));
-  dim3 grid;
-  LPMOE_RETURN_IF_ERROR(persistent_grid(kernel, kThreads, stage_bytes, a.num_tiles, grid));
-  kernel<<<grid, kThreads, stage_bytes, s>>>(a);
+  if constexpr (sizeof(IType) == 2) {
+    quantize_tile_kernel<IType, kE5M2><<<dim3(static_cast<unsigned>(a.num_tiles)), kThreads, 0, s>>>(a);
+  } else {  // fp32 tiles need 128 registers per thread: the persistent kernel
+    auto kernel = quantize_kernel<IType, kE5M2>;
+    const int stage_bytes = kTile * kTile * static_cast<int>(sizeof(IType));
+    dim3 grid;
+    LPMOE_RETURN_IF_ERROR(persistent_grid(kernel, kThreads, stage_bytes, a.num_tiles, grid));
+    kernel<<<grid, kThreads, stage_bytes, s>>>(a);
+  }
   return cudaGetLastError();
 }
 
