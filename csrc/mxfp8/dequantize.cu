@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include "common/cuda_utils.h"
+#include "common/dequant_vec.cuh"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
 #include "common/vec_io.cuh"
@@ -50,11 +51,9 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeAr
     float m = 0.0f;
     if constexpr (!kColumnwise)
       m = exp2f_e8m0(args.scale[row_scale_index(t, t.r0 + row, t.c0 / 32 + c / 4, args.swizzled)]);
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(&bytes[r]);
-    float v[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) v[e] = __fmul_rn(kColumnwise ? col_mult[e] : m, fp8_to_float<kE5M2>(b[e]));
-    store_vec<OType, kVec>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec, v);
+    OType* dst = out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec;
+    if constexpr (kColumnwise) dequant8_store<OType, kE5M2>(dst, bytes[r], col_mult);
+    else dequant8_store<OType, kE5M2>(dst, bytes[r], m);
   }
 }
 
