@@ -42,13 +42,17 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const MxT
   const float rcp = max_rcp<kE5M2>();
 
   if (args.out_data != nullptr) {
-    uint8_t* out = static_cast<uint8_t*>(args.out_data);
+    // This thread's first row; the next rows are t.k bytes further.
+    uint8_t* out = static_cast<uint8_t*>(args.out_data) + t.data_base + (t.r0 + g * kRows) * t.k + t.c0 + c * kVec;
+    // Scale byte of row g*8+r: the index of row g*8 plus r steps (inside one
+    // 128-row tile the swizzled step is 16 bytes), not an index per row.
+    const int64_t scale_j = t.c0 / 32 + c / 4;
+    const int64_t scale_step = args.swizzled ? 16 : t.sx;
+    uint8_t* scale_out = args.out_scale + row_scale_index(t, t.r0 + g * kRows, scale_j, args.swizzled);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = g * kRows + r;
-      float a = 0.0f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) a = amax_step(a, V(r, e));
+      float a = vec8_amax<IType>(raw[r]);
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
       const uint32_t e8 = float_to_e8m0(__fmul_rn(a, rcp));
@@ -59,13 +63,12 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const MxT
 #pragma unroll
         for (int e = 0; e < kVec; e += 2)
           h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), mult), __fmul_rn(V(r, e + 1), mult));
-        *reinterpret_cast<uint2*>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec) = packed;
+        *reinterpret_cast<uint2*>(out) = packed;
       }
+      out += t.k;
       // Every slot of the padded scale matrix inside this tile is written;
       // rows/blocks outside the member have amax 0 -> byte 0.
-      if ((c & 3) == 0) {
-        args.out_scale[row_scale_index(t, t.r0 + row, t.c0 / 32 + c / 4, args.swizzled)] = static_cast<uint8_t>(e8);
-      }
+      if ((c & 3) == 0) scale_out[r * scale_step] = static_cast<uint8_t>(e8);
     }
   }
 
@@ -82,6 +85,9 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const MxT
     const bool writes_scales = (g & 3) == 0;
     const int64_t mblk = (t.r0 + g * kRows) / 32;
     const int64_t k0 = t.c0 + c * kVec;
+    // Swizzled: column k0+e's byte is 16 bytes after column k0+e-1's (the 8
+    // columns stay inside one 32-column group of one 128-column tile).
+    uint8_t* col_scale_out = args.out_col_scale + col_scale_index(t, mblk, k0, args.swizzled);
     uint2 packed_scales = make_uint2(0, 0);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
@@ -90,12 +96,10 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const MxT
       a[e] = exp2f_rcp(e8);
       if (e < 4) packed_scales.x |= e8 << (8 * e);
       else packed_scales.y |= e8 << (8 * (e - 4));
-      if (writes_scales && args.swizzled)
-        args.out_col_scale[col_scale_index(t, mblk, k0 + e, true)] = static_cast<uint8_t>(e8);
+      if (writes_scales && args.swizzled) col_scale_out[16 * e] = static_cast<uint8_t>(e8);
     }
-    if (writes_scales && !args.swizzled)
-      *reinterpret_cast<uint2*>(args.out_col_scale + col_scale_index(t, mblk, k0, false)) = packed_scales;
-    uint8_t* out = static_cast<uint8_t*>(args.out_col_data);
+    if (writes_scales && !args.swizzled) *reinterpret_cast<uint2*>(col_scale_out) = packed_scales;
+    uint8_t* out = static_cast<uint8_t*>(args.out_col_data) + t.data_base + (t.r0 + g * kRows) * t.k + t.c0 + c * kVec;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = g * kRows + r;
@@ -105,8 +109,9 @@ __device__ __forceinline__ void process_tile(const QuantizeArgs& args, const MxT
 #pragma unroll
         for (int e = 0; e < kVec; e += 2)
           h[e / 2] = cvt_fp8x2<kE5M2>(__fmul_rn(V(r, e), a[e]), __fmul_rn(V(r, e + 1), a[e + 1]));
-        *reinterpret_cast<uint2*>(out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec) = packed;
+        *reinterpret_cast<uint2*>(out) = packed;
       }
+      out += t.k;
     }
   }
 }
@@ -182,13 +187,14 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const Quanti
   const int c = threadIdx.x & 15;
   const int g = threadIdx.x >> 4;
   const bool col_ok = c * kVec < t.cols_valid;
-  const IType* in = static_cast<const IType*>(args.input);
+  // This thread's first row; the next rows are t.k elements further (a
+  // running pointer: one 64-bit add per row instead of a 64-bit multiply).
+  const IType* in = static_cast<const IType*>(args.input) + t.data_base + (t.r0 + g * kRows) * t.k + t.c0 + c * kVec;
   RawVec8<IType> raw[kRows];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = g * kRows + r;
-    if (col_ok && row < t.rows_valid) {
-      load_vec8<IType>(in + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec, raw[r]);
+  for (int r = 0; r < kRows; ++r, in += t.k) {
+    if (col_ok && g * kRows + r < t.rows_valid) {
+      load_vec8<IType>(in, raw[r]);
     } else {
       zero_vec8<IType>(raw[r]);
     }
