@@ -179,6 +179,32 @@ def test_nvfp4_quantize_bitexact(kind, swizzled, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_e2m1_rounding_ties_bitexact(dtype):
+    """Every E2M1 rounding threshold, exactly and one ulp to either side, both
+    signs, zeros, a subnormal and NaN, scaled by exactly 1 in both directions
+    (member amax 2688 and a 6.0 on the diagonal of every 16x16 block make
+    every block scale 1), so the GPU's E2M1 rounding meets each tie."""
+    itype = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    base = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=dtype)
+    bits = base.view(itype)
+    probes = torch.cat([base, (bits + 1).view(dtype), (bits - 1).view(dtype),
+                        torch.tensor([0.0, 1e-39, float("nan")], dtype=dtype)])
+    probes = torch.cat([probes, -probes])
+    x = probes.repeat(128 * 128 // probes.numel() + 1)[:128 * 128].view(128, 128).clone()
+    blocks = x.view(8, 16, 8, 16)
+    for i in range(16):
+        blocks[:, i, :, i] = 6.0
+    x[0, 0] = 2688.0  # member amax: S_enc = 2688 / amax = 1
+    q = NVFP4Quantizer()
+    ref, got = lpmoe.quantize(x, q), lpmoe.quantize(x.cuda(), q)
+    assert float(ref.amax) == 2688.0
+    for f in ("data", "scale_inv", "columnwise_data", "columnwise_scale_inv", "amax"):
+        a, b = getattr(ref, f), getattr(got, f)
+        assert torch.equal(a.view(torch.uint8).cpu(), b.reshape(a.shape).view(torch.uint8).cpu()), f
+
+
+@requires_cuda
 def test_empty_tensors_launch_nothing_and_capture():
     x = torch.empty(0, 128, device="cuda", dtype=torch.bfloat16)
     for q in (MXFP8Quantizer(), NVFP4Quantizer(), MXFP8Quantizer(swizzled_scales=True)):

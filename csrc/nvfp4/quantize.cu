@@ -34,15 +34,15 @@ __device__ __forceinline__ void load_tile(const QuantizeArgs& a, const TileInfo&
   const int c = threadIdx.x & 15;
   const int g = threadIdx.x >> 4;
   const bool col_ok = c * kVec < cols_valid;
-  const IType* in = static_cast<const IType*>(a.input);
+  // This thread's first row; the next rows are K elements further (a running
+  // pointer: one 64-bit add per row instead of a 64-bit multiply).
+  const IType* in = static_cast<const IType*>(a.input) + (ti.row0 + g * kRows) * a.cols + col0 + c * kVec;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = g * kRows + r;
-    const bool ok = col_ok && row < ti.rows_valid;
+  for (int r = 0; r < kRows; ++r, in += a.cols) {
+    const bool ok = col_ok && g * kRows + r < ti.rows_valid;
 #pragma unroll
     for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i)
-      raw[r].w[i] = ok ? __ldg(reinterpret_cast<const uint4*>(in + (ti.row0 + row) * a.cols + col0 + c * kVec) + i)
-                       : make_uint4(0, 0, 0, 0);
+      raw[r].w[i] = ok ? __ldg(reinterpret_cast<const uint4*>(in) + i) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -126,9 +126,15 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
 
   if (a.out_data != nullptr) {
     const int64_t sx = round_up<int64_t>(K / 16, 4);
-    const int64_t scale_base = ti.pad128_start * sx;
+    // Row g*8+r's data and scale byte: row g*8's plus r steps (inside one
+    // 128-row tile the swizzled scale step is 16 bytes).
+    const int64_t j = (col0 + c * kVec) / 16;
+    const int64_t i0 = ti.local_tile * kTile + g * kRows;
+    uint8_t* scale_out = a.out_scale + ti.pad128_start * sx + (a.swizzled ? swizzled_index(i0, j, sx / 4) : i0 * sx + j);
+    const int64_t scale_step = a.swizzled ? 16 : sx;
+    uint8_t* data_out = a.out_data + (ti.row0 + g * kRows) * (K / 2) + (col0 + c * kVec) / 2;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < kRows; ++r, data_out += K / 2) {
       const int row = g * kRows + r;
       float bamax = 0.0f;
 #pragma unroll
@@ -140,12 +146,9 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
         uint32_t packed = 0;
 #pragma unroll
         for (int e = 0; e < kVec; ++e) packed |= e2m1_encode(__fmul_rn(V(r, e), enc)) << (4 * e);
-        *reinterpret_cast<uint32_t*>(a.out_data + (ti.row0 + row) * (K / 2) + (col0 + c * kVec) / 2) = packed;
+        *reinterpret_cast<uint32_t*>(data_out) = packed;
       }
-      const int64_t i = ti.local_tile * kTile + row;
-      const int64_t j = (col0 + c * kVec) / 16;
-      if ((c & 1) == 0 && j < sx)
-        a.out_scale[scale_base + (a.swizzled ? swizzled_index(i, j, sx / 4) : i * sx + j)] = sf;
+      if ((c & 1) == 0 && j < sx) scale_out[r * scale_step] = sf;
     }
   }
 
@@ -157,6 +160,11 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
     const int64_t kp = round_up<int64_t>(K, kTile);
     const int64_t scale_base = kp * (ti.pad64_start / 16);
     const int64_t mb = (ti.local_tile * kTile + g * kRows) / 16;
+    // Column col0+8c+e's scale byte: column 8c's plus e steps (swizzled: the
+    // 8 columns stay inside one 32-row group of one 128-row tile: 16 bytes).
+    const int64_t k0 = col0 + c * kVec;
+    uint8_t* scale_out = a.out_col_scale + scale_base + (a.swizzled ? swizzled_index(k0, mb, sxc / 4) : k0 * sxc + mb);
+    const int64_t scale_step = a.swizzled ? 16 : sxc;
     float bamax[kVec];  // 16-token block amax per column: row groups g, g^1
     column_amax16<IType>(raw, bamax);
 #pragma unroll
@@ -168,9 +176,7 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
       for (int r = 0; r < kRows; ++r) packed |= e2m1_encode(__fmul_rn(V(r, e), enc)) << (4 * r);
       const int kk = c * kVec + e;
       tposed[kk * 16 + (g ^ (c & 15))] = packed;
-      const int64_t k = col0 + kk;
-      if ((g & 1) == 0 && mb < sxc)
-        a.out_col_scale[scale_base + (a.swizzled ? swizzled_index(k, mb, sxc / 4) : k * sxc + mb)] = sf;
+      if ((g & 1) == 0 && mb < sxc) scale_out[e * scale_step] = sf;
     }
     __syncthreads();
     // Member block (K, M_t/2) at K*row[t]/2; this tile's tokens start at byte
