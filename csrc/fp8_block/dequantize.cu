@@ -130,8 +130,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_columns_kernel(const Dequ
   uint2 chunk[kVec];
   if (pitch % 8 == 0 && tok0 + kRowsPerThread <= tokens_in_buffer) {
 #pragma unroll
-    for (int e = 0; e < kVec; ++e)
-      chunk[e] = __ldg(reinterpret_cast<const uint2*>(src + e * pitch));
+    for (int e = 0; e < kVec; ++e, src += pitch) chunk[e] = __ldg(reinterpret_cast<const uint2*>(src));
   } else {  // a member's last tokens in an unpadded buffer: only its own bytes
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
@@ -143,19 +142,22 @@ __global__ void __launch_bounds__(kThreads) dequantize_columns_kernel(const Dequ
     }
   }
   float s[kVec];
+  if constexpr (kBlockDim == 1) {  // columns 8c..8c+7: 8 consecutive floats, 16-byte aligned (ld % 4 == 0)
+    const int64_t ld = round_up<int64_t>(K, 4);
+    const float4* sp =
+        reinterpret_cast<const float4*>(args.scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col0 + c * kVec);
+    const float4 lo = __ldg(sp), hi = __ldg(sp + 1);
+    s[0] = lo.x; s[1] = lo.y; s[2] = lo.z; s[3] = lo.w;
+    s[4] = hi.x; s[5] = hi.y; s[6] = hi.z; s[7] = hi.w;
+  } else {
 #pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    if constexpr (kBlockDim == 1) {
-      const int64_t ld = round_up<int64_t>(K, 4);
-      s[e] = __ldg(args.scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col0 + c * kVec + e);
-    } else {
-      s[e] = tile_scale;
-    }
+    for (int e = 0; e < kVec; ++e) s[e] = tile_scale;
   }
+  // Output row tok0 + r, a running pointer (one add per row).
+  OType* dst = out + (ti.row0 + tok0) * K + col0 + c * kVec;
 #pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int row = tok0 + r;
-    if (row >= ti.rows_valid) continue;
+  for (int r = 0; r < kRowsPerThread; ++r, dst += K) {
+    if (tok0 + r >= ti.rows_valid) continue;
     const int word = r >> 2;
     const int shift = 8 * (r & 3);
     uint32_t w[2];  // output row r's eight bytes, column 8c first
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_columns_kernel(const Dequ
       const uint32_t b3 = (word ? chunk[4 * h + 3].y : chunk[4 * h + 3].x) >> shift;
       w[h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
     }
-    dequant8_store<OType, kE5M2>(out + (ti.row0 + row) * K + col0 + c * kVec, make_uint2(w[0], w[1]), s);
+    dequant8_store<OType, kE5M2>(dst, make_uint2(w[0], w[1]), s);
   }
 }
 

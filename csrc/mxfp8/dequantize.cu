@@ -30,30 +30,36 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeAr
   const uint8_t* q = static_cast<const uint8_t*>(args.data);
   OType* out = static_cast<OType*>(args.out);
 
+  // Rows g*8..g*8+7 from running offsets (one add per row); every load,
+  // scale bytes included, is issued before the first conversion.
+  const int64_t first = t.data_base + (t.r0 + g * kRows) * t.k + t.c0 + c * kVec;
+  const uint8_t* src = q + first;
   uint2 bytes[kRows];
+  uint32_t row_e8[kRows];
+  const uint8_t* row_scale = args.scale + row_scale_index(t, t.r0 + g * kRows, t.c0 / 32 + c / 4, args.swizzled);
+  const int64_t row_scale_step = args.swizzled ? 16 : t.sx;  // inside one 128-row tile
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = g * kRows + r;
-    if (row < t.rows_valid)
-      bytes[r] = __ldg(reinterpret_cast<const uint2*>(q + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec));
+  for (int r = 0; r < kRows; ++r, src += t.k) {
+    if (g * kRows + r < t.rows_valid) {
+      bytes[r] = __ldg(reinterpret_cast<const uint2*>(src));
+      if constexpr (!kColumnwise) row_e8[r] = __ldg(row_scale + r * row_scale_step);
+    }
   }
   float col_mult[kVec];
   if constexpr (kColumnwise) {
     const int64_t mblk = (t.r0 + g * kRows) / 32;
+    // column k+1's byte: 16 bytes on when swizzled (same 32-column group), 1 when compact
+    const uint8_t* col_scale = args.scale + col_scale_index(t, mblk, t.c0 + c * kVec, args.swizzled);
+    const int step = args.swizzled ? 16 : 1;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e)
-      col_mult[e] = exp2f_e8m0(args.scale[col_scale_index(t, mblk, t.c0 + c * kVec + e, args.swizzled)]);
+    for (int e = 0; e < kVec; ++e) col_mult[e] = exp2f_e8m0(__ldg(col_scale + e * step));
   }
+  OType* dst = out + first;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = g * kRows + r;
-    if (row >= t.rows_valid) continue;
-    float m = 0.0f;
-    if constexpr (!kColumnwise)
-      m = exp2f_e8m0(args.scale[row_scale_index(t, t.r0 + row, t.c0 / 32 + c / 4, args.swizzled)]);
-    OType* dst = out + t.data_base + (t.r0 + row) * t.k + t.c0 + c * kVec;
+  for (int r = 0; r < kRows; ++r, dst += t.k) {
+    if (g * kRows + r >= t.rows_valid) continue;
     if constexpr (kColumnwise) dequant8_store<OType, kE5M2>(dst, bytes[r], col_mult);
-    else dequant8_store<OType, kE5M2>(dst, bytes[r], m);
+    else dequant8_store<OType, kE5M2>(dst, bytes[r], exp2f_e8m0(row_e8[r]));
   }
 }
 

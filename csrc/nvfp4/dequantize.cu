@@ -35,26 +35,32 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeAr
   const int64_t scale_base = ti.pad128_start * sx;
   const float amax = a.amax[ti.member];
   const float rcp2688 = static_cast<float>(1.0 / 2688.0);
+  // Rows g*8..g*8+7 from running offsets; every load, scale bytes
+  // included, is issued before the first conversion.
+  const int64_t first_row = ti.row0 + g * kRows;
+  const uint8_t* src = a.data + first_row * (K / 2) + (col0 + c * kVec) / 2;
+  const int64_t i0 = ti.local_tile * kTile + g * kRows;
+  const int64_t j = (col0 + c * kVec) / 16;
+  const uint8_t* scale = a.scale + scale_base + (a.swizzled ? swizzled_index(i0, j, sx / 4) : i0 * sx + j);
+  const int64_t scale_step = a.swizzled ? 16 : sx;  // inside one 128-row tile
   uint32_t packed[kRows];
+  uint8_t sf[kRows];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = g * kRows + r;
-    if (row < ti.rows_valid)
-      packed[r] = __ldg(reinterpret_cast<const uint32_t*>(a.data + (ti.row0 + row) * (K / 2) + (col0 + c * kVec) / 2));
+  for (int r = 0; r < kRows; ++r, src += K / 2) {
+    if (g * kRows + r < ti.rows_valid) {
+      packed[r] = __ldg(reinterpret_cast<const uint32_t*>(src));
+      sf[r] = __ldg(scale + r * scale_step);
+    }
   }
-  OType* out = static_cast<OType*>(a.out);
+  OType* out = static_cast<OType*>(a.out) + first_row * K + col0 + c * kVec;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = g * kRows + r;
-    if (row >= ti.rows_valid) continue;
-    const int64_t i = ti.local_tile * kTile + row;
-    const int64_t j = (col0 + c * kVec) / 16;
-    const uint8_t sf = a.scale[scale_base + (a.swizzled ? swizzled_index(i, j, sx / 4) : i * sx + j)];
-    const float fin = __fmul_rn(__fmul_rn(fp8_to_float<false>(sf), amax), rcp2688);
+  for (int r = 0; r < kRows; ++r, out += K) {
+    if (g * kRows + r >= ti.rows_valid) continue;
+    const float fin = __fmul_rn(__fmul_rn(fp8_to_float<false>(sf[r]), amax), rcp2688);
     float v[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) v[e] = __fmul_rn(e2m1_decode((packed[r] >> (4 * e)) & 0xF), fin);
-    store_vec<OType, kVec>(out + (ti.row0 + row) * K + col0 + c * kVec, v);
+    store_vec<OType, kVec>(out, v);
   }
 }
 
