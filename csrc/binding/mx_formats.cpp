@@ -146,10 +146,6 @@ void nvfp4_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& pa
   a.col_amax = static_cast<float*>(opt_ptr(col_amax, input, "output.columnwise_amax"));
   a.noop = static_cast<const float*>(opt_ptr(noop, input, "noop_flag"));
   a.max_row_tiles = max_row_tiles;
-  // The kernel's work-list counters (one per member + a ticket), zeroed by the
-  // launch itself: a stream-ordered allocation, graph-safe.
-  const at::Tensor sync = at::empty({num_tensors + 1}, input.options().dtype(at::kInt));
-  a.sync = reinterpret_cast<uint32_t*>(sync.data_ptr<int32_t>());
   LPMOE_CHECK_LAUNCH(nvfp4::launch_quantize(a, current_stream()), "nvfp4 quantize");
 }
 

@@ -36,7 +36,6 @@ struct QuantizeArgs {
   float* col_amax = nullptr;     // (N,) copy for the columnwise copy, or null
   const float* noop = nullptr;
   int64_t max_row_tiles = 0;
-  uint32_t* sync = nullptr;      // (N + 1,) scratch: per-member done counts + work ticket
 };
 
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);

@@ -1,24 +1,20 @@
-// NVFP4 quantize, one persistent kernel (work_list.cuh): amax items take a
-// tile's NaN-ignoring max|x| into the member's amax (atomicMax on the float
-// bits: non-negative floats order like their bits, and max is
-// order-independent, so the result is deterministic) and count the tile
-// done; quantize items wait for their member's count, then apply the
-// two-level scale of formats.md §3.2 and write E2M1 codes, rowwise (1x16
-// blocks along K) and columnwise (16 tokens per block, written transposed
-// through a shared tile).  Thread (c, g) holds rows 8g..8g+7 x columns
-// 8c..8c+7 of a 128x128 tile: a rowwise block is lanes c, c^1; a columnwise
-// block is row groups g, g^1 = lanes l, l^16 of one warp.
+// NVFP4 quantize.  Pass 1: per-member amax (NaN-ignoring max|x|) with
+// atomicMax on the float bits (non-negative floats order like their bits;
+// max is order-independent, so the result is deterministic).  Pass 2: the
+// two-level scale of formats.md §3.2 and E2M1 codes, rowwise (1x16 blocks
+// along K) and columnwise (16 tokens per block, written transposed through a
+// shared tile).  Thread (c, g) holds rows 8g..8g+7 x columns 8c..8c+7 of a
+// 128x128 tile: a rowwise block is lanes c, c^1; a columnwise block is row
+// groups g, g^1 = lanes l, l^16 of one warp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "common/cuda_utils.h"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
-#include "common/persistent_grid.h"
 #include "common/vec_io.cuh"
 #include "grouped/row_tiles.cuh"
 #include "nvfp4/nvfp4.h"
-#include "nvfp4/work_list.cuh"
 
 namespace lpmoe {
 namespace nvfp4 {
@@ -50,29 +46,29 @@ __device__ __forceinline__ void load_tile(const QuantizeArgs& a, const TileInfo&
   }
 }
 
-// Zeroes the amaxes and the work list's counters (ticket + one per member)
-// before each launch, so graph replays start clean.
-__global__ void zero_state_kernel(float* amax, float* col_amax, uint32_t* sync, int n, const float* noop) {
+__global__ void zero_amax_kernel(float* amax, float* col_amax, int n, const float* noop) {
   if (noop != nullptr && *noop == 1.0f) return;
-  for (int i = threadIdx.x; i <= n; i += blockDim.x) {
-    sync[i] = 0;
-    if (i == n) continue;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
     amax[i] = 0.0f;
     if (col_amax) col_amax[i] = 0.0f;
   }
 }
 
-// Amax item: the tile's max|x| into the member's amax, then the tile counted
-// done (thread 0: atomics, a fence, the count).
 template <typename IType>
-__device__ __forceinline__ void amax_tile(const QuantizeArgs& a, const TileInfo& ti, int tile_x, uint32_t* done) {
-  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+__global__ void __launch_bounds__(kThreads) amax_kernel(const QuantizeArgs a) {
+  if (a.noop != nullptr && *a.noop == 1.0f) return;
+  const int bx = static_cast<int>(ceil_div<int64_t>(a.cols, kTile));
+  TileInfo ti;
+  if (!locate_tile(a.group, a.rows, blockIdx.x / bx, ti) || ti.m % 16) return;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x % bx) * kTile;
   const int cols_valid = static_cast<int>(a.cols - col0 < kTile ? a.cols - col0 : kTile);
   RawVec8<IType> raw[kRows];
   load_tile<IType>(a, ti, col0, cols_valid, raw);
   float m = 0.0f;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) m = fmaxf(m, vec8_amax<IType>(raw[r]));
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) m = amax_step(m, elem<IType>(raw[r], e));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   __shared__ float warp_max[kThreads / 32];
@@ -84,20 +80,7 @@ __device__ __forceinline__ void amax_tile(const QuantizeArgs& a, const TileInfo&
       atomicMax(reinterpret_cast<unsigned int*>(a.amax + ti.member), __float_as_uint(m));
       if (a.col_amax) atomicMax(reinterpret_cast<unsigned int*>(a.col_amax + ti.member), __float_as_uint(m));
     }
-    __threadfence();  // the amax before the count
-    atomicAdd(done + ti.member, 1u);
   }
-}
-
-// Before a quantize item: thread 0 waits until every tile of the member is
-// counted; the barrier then releases the CTA.  The amax is read from L2
-// (__ldcg) afterwards: L1 is not coherent within a kernel.
-__device__ __forceinline__ void wait_member(const uint32_t* done, int member, uint32_t tiles) {
-  if (threadIdx.x == 0) {
-    while (*reinterpret_cast<const volatile uint32_t*>(done + member) < tiles) __nanosleep(32);
-    __threadfence();
-  }
-  __syncthreads();
 }
 
 struct TwoLevel {
@@ -122,10 +105,14 @@ __device__ __forceinline__ uint8_t block_scale(float bamax, const TwoLevel& s, f
   return sf;
 }
 
-// Quantize item (the member's amax is final).
 template <typename IType>
-__device__ __forceinline__ void quantize_tile(const QuantizeArgs& a, const TileInfo& ti, int tile_x) {
+__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArgs a) {
+  if (a.noop != nullptr && *a.noop == 1.0f) return;
+  const int bx = static_cast<int>(ceil_div<int64_t>(a.cols, kTile));
+  TileInfo ti;
+  if (!locate_tile(a.group, a.rows, blockIdx.x / bx, ti) || ti.m % 16) return;
   const int64_t K = a.cols;
+  const int tile_x = static_cast<int>(blockIdx.x % bx);
   const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
   const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
   const int c = threadIdx.x & 15;
@@ -135,7 +122,7 @@ __device__ __forceinline__ void quantize_tile(const QuantizeArgs& a, const TileI
   RawVec8<IType> raw[kRows];
   load_tile<IType>(a, ti, col0, cols_valid, raw);
   auto V = [&](int r, int e) { return elem<IType>(raw[r], e); };
-  const TwoLevel s = global_scale(__ldcg(a.amax + ti.member));
+  const TwoLevel s = global_scale(a.amax[ti.member]);
 
   if (a.out_data != nullptr) {
     const int64_t sx = round_up<int64_t>(K / 16, 4);
@@ -210,40 +197,13 @@ __device__ __forceinline__ void quantize_tile(const QuantizeArgs& a, const TileI
   }
 }
 
-// Persistent CTAs walk the work list (work_list.cuh) by ticket; 3 CTAs per
-// SM for 16-bit inputs (80 registers), 2 for fp32 (3 would spill).
-template <typename IType>
-__global__ void __launch_bounds__(kThreads, sizeof(IType) == 4 ? 2 : 3) quantize_kernel(const QuantizeArgs a) {
-  if (a.noop != nullptr && *a.noop == 1.0f) return;
-  const int bx = static_cast<int>(ceil_div<int64_t>(a.cols, kTile));
-  uint32_t* done = a.sync;
-  uint32_t* ticket = a.sync + num_members(a.group);
-  const bool quantizes = a.out_data != nullptr || a.out_col_data != nullptr;
-  __shared__ uint32_t s_ticket;
-  for (;;) {
-    if (threadIdx.x == 0) s_ticket = atomicAdd(ticket, 1u);
-    __syncthreads();
-    const int64_t p = s_ticket;
-    __syncthreads();  // every thread has p before thread 0 takes the next ticket
-    WorkItem w;
-    if (!work_item(a.group, a.rows, bx, p, w)) return;
-    TileInfo ti;
-    if (!locate_tile(a.group, a.rows, w.tile / bx, ti) || ti.m % 16) continue;  // skipped member: both passes
-    const int tile_x = static_cast<int>(w.tile % bx);
-    if (!w.quantize) {
-      amax_tile<IType>(a, ti, tile_x, done);
-    } else if (quantizes) {
-      wait_member(done, w.member, member_tiles(a.group, a.rows, bx, w.member));
-      quantize_tile<IType>(a, ti, tile_x);
-    }
-  }
-}
-
 template <typename IType>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t s) {
   const int64_t bx = ceil_div<int64_t>(a.cols, kTile);
-  dim3 grid;
-  LPMOE_RETURN_IF_ERROR(persistent_grid(quantize_kernel<IType>, kThreads, 0, 2 * a.max_row_tiles * bx, grid));
+  const dim3 grid(static_cast<unsigned>(a.max_row_tiles * bx));
+  amax_kernel<IType><<<grid, kThreads, 0, s>>>(a);
+  LPMOE_RETURN_IF_ERROR(cudaGetLastError());
+  if (a.out_data == nullptr && a.out_col_data == nullptr) return cudaSuccess;
   quantize_kernel<IType><<<grid, kThreads, 0, s>>>(a);
   return cudaGetLastError();
 }
@@ -253,9 +213,8 @@ cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t s) {
 cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   if (a.cols % 16 != 0 || a.amax == nullptr) return cudaErrorInvalidValue;
   const int64_t bx = ceil_div<int64_t>(a.cols, kTile);
-  if (a.max_row_tiles * bx > 0x7fffffff || a.sync == nullptr) return cudaErrorInvalidConfiguration;
-  const int n = a.group.row == nullptr ? 1 : a.group.num_tensors;
-  zero_state_kernel<<<1, 256, 0, stream>>>(a.amax, a.col_amax, a.sync, n, a.noop);
+  if (a.max_row_tiles * bx > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  zero_amax_kernel<<<1, 256, 0, stream>>>(a.amax, a.col_amax, a.group.num_tensors, a.noop);
   LPMOE_RETURN_IF_ERROR(cudaGetLastError());
   if (a.rows == 0 || a.cols == 0 || a.max_row_tiles == 0) return cudaSuccess;
   switch (a.input_dtype) {
