@@ -112,6 +112,20 @@ def splits_for(g: int, tokens: int, skewed: bool):
     return s
 
 
+def quantizer_splits(tokens: int, n: int, skewed: bool, align: int = 1):
+    """Member sizes of the quantizer benchmarks: uniform, or one member with
+    90 % of the tokens and the rest spread evenly; every size a multiple of
+    ``align`` (NVFP4 skips members whose rows are not multiples of 16), the
+    last member takes what is left (tokens must be a multiple of align)."""
+    if not skewed:
+        s = [tokens // n // align * align] * n
+    else:
+        big = int(tokens * 0.9) // align * align
+        s = [big] + [(tokens - big) // (n - 1) // align * align] * (n - 1)
+    s[-1] += tokens - sum(s)
+    return s
+
+
 def routed_splits(g: int, tokens: int, skewed: bool, seed: int = 0):
     """Expert splits as a router produces them (not multiples of anything):
     a multinomial draw, uniform over experts or with half of the probability

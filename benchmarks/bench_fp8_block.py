@@ -19,26 +19,14 @@ import statistics
 import torch
 
 import lpmoe
-from _common import copy_bandwidth_gbs, graph_median_ms, median_ms, parser, write_summary
+from _common import copy_bandwidth_gbs, graph_median_ms, quantizer_splits, median_ms, parser, write_summary
 from lpmoe import Float8BlockQuantizer
-
-
-def splits_for(tokens: int, n: int, skewed: bool):
-    if not skewed:
-        base = [tokens // n] * n
-        base[-1] += tokens - sum(base)
-        return base
-    big = int(tokens * 0.9)
-    rest = tokens - big
-    s = [big] + [rest // (n - 1)] * (n - 1)
-    s[-1] += tokens - sum(s)
-    return s
 
 
 def case_ops(tokens, k, n, skewed):
     """(name, {op: (fn, bytes)}) of one case; its tensors stay alive in the closures."""
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    fd = torch.tensor(splits_for(tokens, n, skewed), device="cuda")
+    fd = torch.tensor(quantizer_splits(tokens, n, skewed), device="cuda")
     name = f"{tokens // 1024}k x {k}, {n} members{' skewed' if skewed else ''}"
     elems = tokens * k
     bx = -(-k // 128)
