@@ -247,7 +247,11 @@ def summarize(hists: Dict[str, Dict], seeds: List[int], recipes: List[str]) -> N
 
 
 def plot(hists: Dict[str, Dict], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # requirements.txt has it; a bare machine still trains
+        print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

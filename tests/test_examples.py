@@ -1,4 +1,6 @@
 """Short smoke runs of the examples (CI covers them on the CPU)."""
+import importlib.util
+
 from conftest import load_example as _load
 
 
@@ -16,7 +18,10 @@ def test_train_moe_lm_smoke(tmp_path):
     for h in hists.values():
         assert h["val"][-1] < 0.8 * 5.545  # ln(256): a uniform guess
     assert abs(hists["fp8"]["val"][-1] / hists["bf16"]["val"][-1] - 1) < 0.05
-    assert png.stat().st_size > 10_000
+    if importlib.util.find_spec("matplotlib") is not None:  # a requirement; the GPU machine may lack it
+        assert png.stat().st_size > 10_000
+    else:
+        assert not png.exists()
 
 
 def test_moe_layer_example_learns_cpu():
