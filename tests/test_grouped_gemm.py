@@ -125,6 +125,24 @@ def test_clear_errors(case):
     assert len(msg) > 20  # names what was expected
 
 
+def test_stacked_weights_are_not_wrapped(monkeypatch):
+    """(G, N, K) weight tensors go to the kernels as they are: no grouped
+    wrapper, hence no offsets computation per call (a launch and its host
+    time on the GPU), and the same products as a list of the same weights."""
+    ops, (x, dy, w) = make_case([5, 0, 11], 32, 48, torch.float32, "cpu", fp8=False, tail=2)
+    launches = []
+    real = GroupedTensor._launch_offsets
+    monkeypatch.setattr(GroupedTensor, "_launch_offsets", lambda self, *a: launches.append(1) or real(self, *a))
+    for kind in ("fprop", "dgrad"):
+        a, b = ops[kind]
+        p = parse_operands(a, b, kind)
+        assert p.b_stacked is b and p.b_grouped is None and p.b_list is None
+        y = lpmoe.grouped_gemm(a, b, kind=kind)
+        y_list = lpmoe.grouped_gemm(a, list(b), kind=kind)
+        assert torch.equal(y, y_list)
+    assert not launches
+
+
 def test_parse_roles():
     ops, _ = make_case([4, 4], 128, 256, torch.bfloat16, "cpu", fp8=True)
     p = parse_operands(*ops["dgrad"], "dgrad")
@@ -171,8 +189,15 @@ def test_gpu_matches_reference(backend, fmt, kind, split_name):
     shape = (len(splits), n, k) if kind == "wgrad" else (a.logical_shape[0], n if kind == "fprop" else k)
     out = torch.full(shape, float("nan"), dtype=out_dtype, device="cuda")  # poisoned
     m_splits = splits if backend == "cublas" else None
+    before = dict(CALLS)
     res = lpmoe.grouped_gemm(a, b, kind=kind, out=out, backend=backend, m_splits=m_splits)
     assert res.data_ptr() == out.data_ptr()
+    if backend == "grouped" and fmt != "fp8":
+        # 64-row tiles for fprop/dgrad of groups averaging <= 128 rows (the
+        # "mixed", "g64" and "odd_dims" splits here), else 128-row tiles
+        small = kind != "wgrad" and a.logical_shape[0] <= 128 * len(splits)
+        ran = "16bit_rows64" if small else "16bit_rows128"
+        assert CALLS[ran] == before[ran] + 1
     p = parse_operands(a, b, kind, splits)
     ref = reference_grouped_gemm(p, None, False, None, torch.float64)
     if kind == "wgrad":
@@ -226,6 +251,23 @@ def test_gpu_fprop_bias_list_weights_and_fresh_tail():
             assert rel_err(y[r:r + m], ref) < 5e-3 and rel_err(y2[r:r + m], ref) < 5e-3
         r += m
     assert torch.all(y[r:] == 0) and torch.all(y2[r:] == 0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cols", [256, 5])
+def test_gpu_zero_tail_kernel(dtype, cols):
+    """The row epilogue without a bias zeroes exactly the rows past sum(M_t)
+    (16-byte stores when rows are 16-byte multiples, else element stores;
+    cols=5 also starts the tail off 16-byte alignment) and nothing else."""
+    from lpmoe._ext import ext
+    for splits, total in (([3, 0, 70], 100), ([40, 60], 100), ([0, 0], 7), ([1], 4099)):
+        g = GroupedTensor.from_dense(torch.zeros(total, cols, device="cuda", dtype=dtype),
+                                     first_dims=torch.tensor(splits, device="cuda"))
+        y = torch.full((total, cols), float("nan"), dtype=dtype, device="cuda")
+        ext().grouped_row_epilogue(y, None, g.padded_row_offsets, len(splits), True)
+        used = sum(splits)
+        assert torch.isnan(y[:used]).all() and torch.all(y[used:] == 0)
 
 
 @requires_cuda

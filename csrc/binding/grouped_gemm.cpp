@@ -14,6 +14,7 @@
 #include "fp8_gemm/heuristics.h"
 #include "gemm/cublaslt_matmul.h"
 #include "gemm/grouped_gemm.h"
+#include "gemm/heuristics16.h"
 
 namespace lpmoe {
 namespace binding {
@@ -153,15 +154,25 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
       st = gk != gemm::GemmKind::kWgrad ? gemm::fp8_block_grouped_gemm_1x128_128x128(args)
            : wgrad_bf16                 ? gemm::fp8_block_grouped_gemm_wgrad_bf16out(args)
                                         : gemm::fp8_block_grouped_gemm_wgrad(args);
-    } else if (fmt == kBF16) {
-      st = gk == gemm::GemmKind::kFprop   ? gemm::grouped_gemm_bf16_fprop(args)
-           : gk == gemm::GemmKind::kDgrad ? gemm::grouped_gemm_bf16_dgrad(args)
-           : wgrad_bf16                   ? gemm::grouped_gemm_bf16_wgrad_bf16out(args)
-                                          : gemm::grouped_gemm_bf16_wgrad(args);
     } else {
-      st = gk == gemm::GemmKind::kFprop   ? gemm::grouped_gemm_fp16_fprop(args)
-           : gk == gemm::GemmKind::kDgrad ? gemm::grouped_gemm_fp16_dgrad(args)
-                                          : gemm::grouped_gemm_fp16_wgrad(args);
+      // 16-bit: the tile's rows are reported like the FP8 kernel's width
+      // (CALLS["16bit_rows<M>"]); wgrad's K loop runs over tokens, so its
+      // tiles are full whatever the group sizes and it keeps one tile.
+      const bool rows64 = gk != gemm::GemmKind::kWgrad &&
+                          gemm::choose_tile16(a_rows, static_cast<int>(num_groups)) == gemm::Tile16::kRows64;
+      const bool bf16 = fmt == kBF16;
+      if (gk == gemm::GemmKind::kFprop) {
+        st = rows64 ? (bf16 ? gemm::grouped_gemm_bf16_fprop_rows64(args) : gemm::grouped_gemm_fp16_fprop_rows64(args))
+                    : (bf16 ? gemm::grouped_gemm_bf16_fprop(args) : gemm::grouped_gemm_fp16_fprop(args));
+      } else if (gk == gemm::GemmKind::kDgrad) {
+        st = rows64 ? (bf16 ? gemm::grouped_gemm_bf16_dgrad_rows64(args) : gemm::grouped_gemm_fp16_dgrad_rows64(args))
+                    : (bf16 ? gemm::grouped_gemm_bf16_dgrad(args) : gemm::grouped_gemm_fp16_dgrad(args));
+      } else {
+        st = !bf16 ? gemm::grouped_gemm_fp16_wgrad(args)
+             : wgrad_bf16 ? gemm::grouped_gemm_bf16_wgrad_bf16out(args)
+                          : gemm::grouped_gemm_bf16_wgrad(args);
+      }
+      ran = fp8_gemm::BlockScaledConfig{rows64 ? 64 : 128, 0};
     }
   }
   TORCH_CHECK(st != cudaErrorNotSupported, "lpmoe: this build has no sm_90a grouped GEMM code (build with "

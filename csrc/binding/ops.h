@@ -99,7 +99,8 @@ int64_t grouped_gemm_setup_bytes(int64_t num_groups);
 std::tuple<int64_t, int64_t> fp8_block_scaled_choice(int64_t a_rows, int64_t num_groups, int64_t n_cols,
                                                      int64_t sm_count);
 // Returns which kernel ran: (tile width, cluster) of lpmoe's FP8
-// block-scaled kernel, or (-1, 0) for the CUTLASS kernels.  fp8_width: 0 =
+// block-scaled kernel, (-1, 0) for the CUTLASS FP8 kernels, and (tile rows,
+// 0) for the 16-bit kernels (64 or 128, gemm/heuristics16.h).  fp8_width: 0 =
 // the heuristic's choice, -1 = the CUTLASS kernel, else a tile width;
 // fp8_cluster: 0 = the heuristic's choice, else 1 or 2 (FP8 fprop/dgrad).
 std::tuple<int64_t, int64_t> grouped_gemm_cutlass(

@@ -30,6 +30,15 @@ struct Pingpong16 {
   using TileShape = Shape<_128, _128, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
 };
+// Groups of <= 128 rows on average (heuristics16.h): a 128-row tile is at
+// least half empty there, so each warpgroup of the pingpong pair takes its own
+// 64-row tile; the deeper K step (128) keeps the short tiles' mainloop fed.
+struct Pingpong16Rows64 {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using TileShape = Shape<_64, _128, _128>;
+  using ClusterShape = Shape<_2, _1, _1>;
+};
 
 // OutT: D's element type (void = fp32 for wgrad, the input type otherwise).
 template <class Element, GemmKind Kind, class Schedule = Cooperative16, class OutT = void>
@@ -148,6 +157,25 @@ cudaError_t run16(const GroupedGemmArgs& args) {
   namespace gemm {                                                                          \
   cudaError_t fn(const GroupedGemmArgs&) { return cudaErrorNotSupported; }                  \
   }                                                                                         \
+  }
+#endif
+
+// fprop / dgrad with the 64-row tile of small groups (Pingpong16Rows64).
+#if LPMOE_HAS_SM90_GROUPED
+#define LPMOE_DEFINE_GROUPED_16BIT_ROWS64(fn, element, kind)                                  \
+  namespace lpmoe {                                                                          \
+  namespace gemm {                                                                           \
+  cudaError_t fn(const GroupedGemmArgs& args) {                                              \
+    return detail16::run16<element, kind, detail16::Pingpong16Rows64>(args);                 \
+  }                                                                                          \
+  }                                                                                          \
+  }
+#else
+#define LPMOE_DEFINE_GROUPED_16BIT_ROWS64(fn, element, kind)                                  \
+  namespace lpmoe {                                                                          \
+  namespace gemm {                                                                           \
+  cudaError_t fn(const GroupedGemmArgs&) { return cudaErrorNotSupported; }                   \
+  }                                                                                          \
   }
 #endif
 

@@ -95,6 +95,11 @@ cudaError_t grouped_gemm_fp16_fprop(const GroupedGemmArgs& args);
 cudaError_t grouped_gemm_fp16_dgrad(const GroupedGemmArgs& args);
 cudaError_t grouped_gemm_fp16_wgrad(const GroupedGemmArgs& args);
 cudaError_t grouped_gemm_bf16_wgrad_bf16out(const GroupedGemmArgs& args);  // bf16 dW
+// fprop / dgrad with 64-row tiles, for groups of <= 128 rows (heuristics16.h).
+cudaError_t grouped_gemm_bf16_fprop_rows64(const GroupedGemmArgs& args);
+cudaError_t grouped_gemm_bf16_dgrad_rows64(const GroupedGemmArgs& args);
+cudaError_t grouped_gemm_fp16_fprop_rows64(const GroupedGemmArgs& args);
+cudaError_t grouped_gemm_fp16_dgrad_rows64(const GroupedGemmArgs& args);
 
 // wgrad helper: zero dW_t of every member with M_t == 0 (the GEMM gives such
 // members no tiles).  (G, N, K) of elem_bytes-sized elements, N*K*elem_bytes
@@ -104,7 +109,8 @@ cudaError_t zero_empty_wgrad(void* d, size_t elem_bytes, const grouped::GroupRow
 
 // Row epilogue of a token-grouped (total_rows, n) output: rows below
 // rows.row[G] get y += bias[member] (fp32 math, one rounding), rows at or past
-// it are zeroed when zero_tail.  dtype 0 = bf16, 1 = fp16, 2 = fp32; bias
+// it are zeroed when zero_tail.  Without a bias only the tail is visited (its
+// size is a device value: a fixed grid strides over it, ~free when empty).  dtype 0 = bf16, 1 = fp16, 2 = fp32; bias
 // member t at bias + t * n in y's dtype (may be null).
 cudaError_t grouped_row_epilogue(void* y, const void* bias, int dtype, const grouped::GroupRows& rows,
                                  int num_groups, int64_t total_rows, int64_t n, bool zero_tail,

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+
 #include "common/cuda_utils.h"
 #include "gemm/grouped_gemm.h"
 #include "grouped/row_tiles.cuh"
@@ -47,6 +49,28 @@ __global__ void row_epilogue_kernel(T* y, const T* bias, grouped::GroupRows rows
   }
 }
 
+// Zero rows [rows.row[G], total_rows) of y: the capacity tail, whose size is
+// only known on the device.  16-byte stores when the tail's byte range is
+// 16-byte aligned (row_bytes % 16 == 0 and y aligned), else one element each.
+template <class T>
+__global__ void zero_tail_kernel(T* y, grouped::GroupRows rows, int num_groups, int64_t total_rows, int64_t n,
+                                 bool vec16) {
+  const int64_t used = rows.row ? __ldg(rows.row + num_groups) : total_rows;
+  if (used >= total_rows) return;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (vec16) {
+    constexpr int64_t kPer = 16 / sizeof(T);
+    uint4* p = reinterpret_cast<uint4*>(y + used * n);
+    const int64_t count = (total_rows - used) * n / kPer;
+    for (int64_t i = first; i < count; i += stride) p[i] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  T* p = y + used * n;
+  const int64_t count = (total_rows - used) * n;
+  for (int64_t i = first; i < count; i += stride) p[i] = st_f<T>(0.0f);
+}
+
 // Member t's (N, K) block is `bytes` long, a multiple of 16.
 __global__ void zero_empty_kernel(char* d, grouped::GroupRows rows, int64_t bytes) {
   const int t = blockIdx.y;
@@ -62,6 +86,29 @@ cudaError_t grouped_row_epilogue(void* y, const void* bias, int dtype, const gro
                                  int num_groups, int64_t total_rows, int64_t n, bool zero_tail,
                                  cudaStream_t stream) {
   if (total_rows <= 0 || n <= 0 || (bias == nullptr && !zero_tail)) return cudaSuccess;
+  if (bias == nullptr) {
+    // Tail only.  One block per row of the whole buffer (the bias path) cost
+    // ~12 us per 16k rows even with nothing to do; 512 blocks of 256 threads
+    // keep enough 16-byte stores in flight for a long tail.
+    const int64_t esz = dtype == 2 ? 4 : 2;
+    const bool vec16 = (n * esz) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+    const int blocks = 512;
+    switch (dtype) {
+      case 0:
+        zero_tail_kernel<<<blocks, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(y), rows, num_groups, total_rows, n,
+                                                     vec16);
+        break;
+      case 1:
+        zero_tail_kernel<<<blocks, 256, 0, stream>>>(static_cast<__half*>(y), rows, num_groups, total_rows, n, vec16);
+        break;
+      case 2:
+        zero_tail_kernel<<<blocks, 256, 0, stream>>>(static_cast<float*>(y), rows, num_groups, total_rows, n, vec16);
+        break;
+      default:
+        return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+  }
   const int blocks = int(total_rows < 65536 ? total_rows : 65536);
   const int threads = n >= 256 ? 256 : 128;
   switch (dtype) {

@@ -55,8 +55,10 @@ _ptr_tables: Dict[Tuple[int, ...], torch.Tensor] = {}
 
 #: counts of backend launches, for tests that prove which path ran; FP8
 #: grouped calls also count the kernel that ran: "fp8_n<width>_c<cluster>"
-#: (lpmoe's block-scaled kernel, csrc/fp8_gemm) or "fp8_cutlass".
-CALLS = {"grouped": 0, "cublas": 0, "reference": 0, "fp8_cutlass": 0}
+#: (lpmoe's block-scaled kernel, csrc/fp8_gemm) or "fp8_cutlass"; 16-bit
+#: grouped calls count their tile's rows: "16bit_rows128" or "16bit_rows64"
+#: (fprop/dgrad of groups averaging <= 128 rows, csrc/gemm/heuristics16.h).
+CALLS = {"grouped": 0, "cublas": 0, "reference": 0, "fp8_cutlass": 0, "16bit_rows128": 0, "16bit_rows64": 0}
 
 # FP8 fprop/dgrad kernel of the grouped backend, (tile width, cluster):
 # zeros = the shape heuristic's choice (csrc/fp8_gemm/heuristics.h); width
@@ -249,10 +251,13 @@ def grouped_gemm_impl(a, b, kind: str, out, accumulate: bool, bias, out_dtype, b
     else:
         CALLS["cublas"] += 1
         _run_cublas(ops, out, accumulate)
-    if ops.kind != "wgrad" and (bias is not None or fresh) and ops.rows > 0:
+    # A fresh output's capacity tail (rows past sum(M_t)) is zeroed; a group
+    # without device splits has none.
+    tail = fresh and ops.a.first_dims is not None
+    if ops.kind != "wgrad" and (bias is not None or tail) and ops.rows > 0:
         from lpmoe._ext import ext
 
-        ext().grouped_row_epilogue(out, bias, ops.a.padded_row_offsets, ops.num_groups, fresh)
+        ext().grouped_row_epilogue(out, bias, ops.a.padded_row_offsets, ops.num_groups, tail)
     return out
 
 
@@ -353,6 +358,8 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None
             b_data = b.rowwise_data
         elif b is not None:
             b_data, b_member = b.rowwise_data, n * k
+        elif ops.b_stacked is not None:
+            b_data, b_member = ops.b_stacked, n * k
         else:
             b_data, b_ptrs = ops.b_list[0], _ptr_table(ops)
     target = out
@@ -366,9 +373,8 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None
     width, cluster = ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member,
                                                 b_scale, b_scale_member, target, a.padded_row_offsets, g, n, k,
                                                 1.0 if accumulate else 0.0, setup, ws, *_fp8_config)
-    if ops.fp8:
-        key = fp8_kernel_key(width, cluster)
-        CALLS[key] = CALLS.get(key, 0) + 1
+    key = fp8_kernel_key(width, cluster) if ops.fp8 else f"16bit_rows{width}"
+    CALLS[key] = CALLS.get(key, 0) + 1
     if target is not out:
         out.copy_(target)
 
@@ -400,9 +406,9 @@ def _run_cublas(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None:
         a_data = a.rowwise_data
         if ops.kind == "wgrad":
             b_tok = b.rowwise_data
-        elif b is not None:
-            esz = b.rowwise_data.element_size()
-            b_addrs = [b.rowwise_data.data_ptr() + t * n * k * esz for t in range(g)]
+        elif b is not None or ops.b_stacked is not None:
+            w = b.rowwise_data if b is not None else ops.b_stacked
+            b_addrs = [w.data_ptr() + t * n * k * w.element_size() for t in range(g)]
         else:
             b_addrs = [w.data_ptr() for w in ops.b_list]
     ws = gemm_workspace(ops.device, slot_for_kind(ops.kind))

@@ -9,7 +9,7 @@ sizes on the GPU, equality of two device split tensors) is documented in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,9 @@ class GemmOperands:
     dtype: torch.dtype                   # 16/32-bit operand dtype, or the quantized tensors' hp dtype
     device: torch.device
     m_splits: Optional[List[int]] = None  # host copy of the splits when the caller has it
+    # weights given as one (G, N, K) tensor: used as is (wrapping them in a
+    # GroupedTensor costs an offsets launch and its host time on every call)
+    b_stacked: Optional[torch.Tensor] = None
 
 
 def _check_tokens(g, name: str) -> None:
@@ -61,22 +64,20 @@ def _fp8_role(g: GroupedTensor, name: str, block_dim: int, need: str) -> None:
 
 
 def _weights(b, g: int, name: str = "b"):
-    """-> (grouped, list, n, k)."""
+    """-> (grouped, list, stacked, n, k)."""
     if isinstance(b, GroupedTensor):
         if b.shape_kind is not ShapeKind.SAME_SHAPE or b.num_tensors != g:
             raise ValueError(f"`{name}` (weights) must be a same-shape group of {g} members, got "
                              f"{b.shape_kind.value} with {b.num_tensors} members")
         rows, k = b.logical_shape
-        return b, None, rows // g, k
+        return b, None, None, rows // g, k
     if isinstance(b, torch.Tensor):
         b = ready(b)
         if b.dim() != 3 or b.shape[0] != g:
             raise ValueError(f"`{name}` (weights) as a tensor must be (G={g}, N, K), got {tuple(b.shape)}")
         if not b.is_contiguous():
             raise ValueError(f"`{name}` (weights) must be contiguous")
-        n, k = b.shape[1], b.shape[2]
-        gt = GroupedTensor(num_tensors=g, logical_shape=(g * n, k), dtype=b.dtype, rowwise_data=b.view(-1))
-        return gt, None, n, k
+        return None, None, b, b.shape[1], b.shape[2]
     if isinstance(b, (list, tuple)):
         if len(b) != g:
             raise ValueError(f"`{name}` (weights) list has {len(b)} tensors, `a` has {g} groups")
@@ -93,7 +94,7 @@ def _weights(b, g: int, name: str = "b"):
             if not w.is_contiguous():
                 raise ValueError(f"`{name}[{i}]` must be contiguous")
         n, k = shape0
-        return None, list(b), n, k
+        return None, list(b), None, n, k
     raise TypeError(f"`{name}` (weights) must be a GroupedTensor, a (G, N, K) tensor or a list of (N, K) "
                     f"tensors, got {type(b).__name__}")
 
@@ -111,9 +112,9 @@ def parse_operands(a, b, kind: str, m_splits: Optional[Sequence[int]] = None) ->
         if b.logical_shape[0] != rows:
             raise ValueError(f"wgrad: `a` and `b` must hold the same token rows, got {rows} and "
                              f"{b.logical_shape[0]}")
-        bg, bl, n, k = b, None, a_cols, b.logical_shape[1]
+        bg, bl, bs, n, k = b, None, None, a_cols, b.logical_shape[1]
     else:
-        bg, bl, n, k = _weights(b, g)
+        bg, bl, bs, n, k = _weights(b, g)
         want = k if kind == "fprop" else n
         if a_cols != want:
             what = "K (in_features)" if kind == "fprop" else "N (out_features)"
@@ -124,6 +125,8 @@ def parse_operands(a, b, kind: str, m_splits: Optional[Sequence[int]] = None) ->
         raise ValueError(f"`b` is on {bg.device} but `a` is on {dev}")
     if bl is not None and bl[0].device != dev:
         raise ValueError(f"`b` is on {bl[0].device} but `a` is on {dev}")
+    if bs is not None and bs.device != dev:
+        raise ValueError(f"`b` is on {bs.device} but `a` is on {dev}")
 
     fp8 = a.is_quantized
     b_quant = bg is not None and bg.is_quantized
@@ -143,14 +146,14 @@ def parse_operands(a, b, kind: str, m_splits: Optional[Sequence[int]] = None) ->
         dtype = a.dtype
     else:
         dtype = a.rowwise_data.dtype
-        bdt = bg.rowwise_data.dtype if bg is not None else bl[0].dtype
+        bdt = bg.rowwise_data.dtype if bg is not None else bs.dtype if bs is not None else bl[0].dtype
         if dtype not in _HP or bdt != dtype:
             raise TypeError(f"high-precision operands must share one of {_HP}; got a {dtype}, b {bdt}")
     if m_splits is not None:
         m_splits = [int(s) for s in m_splits]
         if len(m_splits) != g or min(m_splits, default=0) < 0 or sum(m_splits) > rows:
             raise ValueError(f"m_splits must be {g} non-negative ints summing to at most {rows}, got {m_splits}")
-    return GemmOperands(kind, a, bg, bl, g, int(n), int(k), int(rows), fp8, dtype, dev, m_splits)
+    return GemmOperands(kind, a, bg, bl, g, int(n), int(k), int(rows), fp8, dtype, dev, m_splits, bs)
 
 
 def host_splits(ops: GemmOperands) -> List[int]:

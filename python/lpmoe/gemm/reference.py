@@ -38,6 +38,8 @@ def dequantized_members(ops: GemmOperands, splits: List[int]):
     elif ops.b_grouped is not None:
         w = _dequantize_grouped(ops.b_grouped, columnwise=ops.kind == "dgrad")
         b = w.view(ops.num_groups, ops.n, ops.k)
+    elif ops.b_stacked is not None:
+        b = ops.b_stacked.to(torch.float64)
     else:
         b = None
     out = []
