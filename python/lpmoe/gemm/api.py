@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import contextlib
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
 from lpmoe._async_inputs import ready
 from lpmoe.gemm.operands import GemmOperands, host_splits, parse_operands
 from lpmoe.gemm.reference import reference_grouped_gemm
+from lpmoe.gemm.weight_operands import fp8_weight_operand, ptr_table
 from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace, slot_for_kind
 from lpmoe.library.routing import OPS, tracing
 
@@ -51,7 +52,6 @@ _BACKENDS = ("auto", "grouped", "cublas")
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FMT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 3}
 _KIND = {"fprop": 0, "dgrad": 1, "wgrad": 2}
-_ptr_tables: Dict[Tuple[int, ...], torch.Tensor] = {}
 
 #: counts of backend launches, for tests that prove which path ran; FP8
 #: grouped calls also count the kernel that ran: "fp8_n<width>_c<cluster>"
@@ -91,14 +91,6 @@ def fp8_kernel_config(width: int = 0, cluster: int = 0):
 def fp8_kernel_key(width: int, cluster: int) -> str:
     """CALLS key of a kernel configuration."""
     return "fp8_cutlass" if width < 0 else f"fp8_n{width}_c{cluster}"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _rup(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
 
 
 def _out_cols(ops: GemmOperands) -> int:
@@ -271,69 +263,6 @@ def _cublas_is_faster(ops: GemmOperands) -> bool:
     return ops.kind == "wgrad" or all(m % 4 == 0 for m in used)
 
 
-# ------------------------------------------------------------------ operands
-def _weight_scales(ops: GemmOperands, layout: str) -> Tuple[torch.Tensor, int]:
-    """The 128x128 weight scales in the layout a GEMM reads, and elements per
-    member.  ``"rowwise"``: (ceil(N/128), round_up(ceil(K/128),4)) per member
-    (W's rowwise scale buffer); ``"colwise"``: (ceil(K/128),
-    round_up(ceil(N/128),4)) (W's columnwise buffer).  Both hold the same
-    numbers; when the wanted buffer was not produced it is rebuilt from the
-    other with a tiny transpose (no sync)."""
-    w = ops.b_grouped
-    g, n, k = ops.num_groups, ops.n, ops.k
-    bn, bk = _cdiv(n, 128), _cdiv(k, 128)
-    row_member, col_member = bn * _rup(bk, 4), bk * _rup(bn, 4)
-    if layout == "rowwise" and w.scale_inv is not None:
-        return w.scale_inv, row_member
-    if layout == "colwise" and w.columnwise_scale_inv is not None:
-        return w.columnwise_scale_inv, col_member
-    if layout == "rowwise":
-        src = w.columnwise_scale_inv[:g * col_member].view(g, bk, _rup(bn, 4))[:, :, :bn]
-        dst = torch.zeros((g, bn, _rup(bk, 4)), dtype=torch.float32, device=ops.device)
-        dst[:, :, :bk] = src.transpose(1, 2)
-        return dst.view(-1), row_member
-    src = w.scale_inv[:g * row_member].view(g, bn, _rup(bk, 4))[:, :, :bk]
-    dst = torch.zeros((g, bk, _rup(bn, 4)), dtype=torch.float32, device=ops.device)
-    dst[:, :, :bn] = src.transpose(1, 2)
-    return dst.view(-1), col_member
-
-
-def _fp8_weight_operand(ops: GemmOperands, scale_layout: str):
-    """FP8 weights as a GEMM reads them: (data, elements per member, scales,
-    scale elements per member).  fprop reads the rowwise (N, K) copy, dgrad
-    the transposed (K, round_up(N,128)) copy; the scale layout is the
-    backend's choice (see _weight_scales)."""
-    b, n, k = ops.b_grouped, ops.n, ops.k
-    if ops.kind == "fprop":
-        data, member = b.rowwise_data, n * k
-    else:
-        data, member = b.columnwise_data, k * _rup(n, 128)
-    return (data, member) + _weight_scales(ops, scale_layout)
-
-
-def prepare_weight_list(weights) -> None:
-    """Make the device address table of a list of weights now (outside any
-    capture), as the first grouped call with them would."""
-    key = tuple(w.data_ptr() for w in weights) + (weights[0].device.index or 0,)
-    if key not in _ptr_tables:
-        _ptr_tables[key] = torch.tensor(list(key[:-1]), dtype=torch.int64, device=weights[0].device)
-
-
-def _ptr_table(ops: GemmOperands) -> torch.Tensor:
-    """Device array of the discrete weights' addresses, cached per address
-    tuple (parameters do not move, so a step builds it once, outside any
-    graph capture)."""
-    key = tuple(w.data_ptr() for w in ops.b_list) + (ops.device.index or 0,)
-    t = _ptr_tables.get(key)
-    if t is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("lpmoe.grouped_gemm: a new list of weight tensors was first seen inside CUDA graph "
-                               "capture; run the call once eagerly (warm-up) before capturing")
-        t = torch.tensor(list(key[:-1]), dtype=torch.int64, device=ops.device)
-        _ptr_tables[key] = t
-    return t
-
-
 def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None:
     from lpmoe._ext import ext
 
@@ -349,7 +278,7 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None
         else:
             # each GEMM reads the 128x128 scales that are MN-major for it
             a_data, a_scale = a.rowwise_data, a.scale_inv
-            b_data, b_member, b_scale, b_scale_member = _fp8_weight_operand(
+            b_data, b_member, b_scale, b_scale_member = fp8_weight_operand(
                 ops, "colwise" if ops.kind == "fprop" else "rowwise")
     else:
         fmt = _FMT[ops.dtype]
@@ -361,7 +290,7 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None
         elif ops.b_stacked is not None:
             b_data, b_member = ops.b_stacked, n * k
         else:
-            b_data, b_ptrs = ops.b_list[0], _ptr_table(ops)
+            b_data, b_ptrs = ops.b_list[0], ptr_table(ops)
     target = out
     # wgrad writes fp32, or bf16 directly for bf16/FP8 operands; other output
     # dtypes go through an fp32 buffer.
@@ -398,7 +327,7 @@ def _run_cublas(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None:
         else:
             a_data, a_scale = a.rowwise_data, a.scale_inv
             # cuBLASLt's BLK128x128 layout is K-major: the other buffer of each pair
-            data, member, scales, smember = _fp8_weight_operand(ops, "rowwise" if ops.kind == "fprop" else "colwise")
+            data, member, scales, smember = fp8_weight_operand(ops, "rowwise" if ops.kind == "fprop" else "colwise")
             b_addrs = [data.data_ptr() + t * member for t in range(g)]
             b_scale_addrs = [scales.data_ptr() + 4 * t * smember for t in range(g)]
     else:

@@ -21,7 +21,7 @@ def _prepare_workspaces(weights) -> None:
     stacked = isinstance(weights, torch.Tensor)
     weight = weights if stacked else weights[0]
     if weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] == 9:
-        from lpmoe.gemm.api import prepare_weight_list
+        from lpmoe.gemm.weight_operands import prepare_weight_list
         from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace
         for slot in (0, 1):
             gemm_workspace(weight.device, slot)
