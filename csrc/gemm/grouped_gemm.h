@@ -110,8 +110,9 @@ cudaError_t zero_empty_wgrad(void* d, size_t elem_bytes, const grouped::GroupRow
 // Row epilogue of a token-grouped (total_rows, n) output: rows below
 // rows.row[G] get y += bias[member] (fp32 math, one rounding), rows at or past
 // it are zeroed when zero_tail.  Without a bias only the tail is visited (its
-// size is a device value: a fixed grid strides over it, ~free when empty).  dtype 0 = bf16, 1 = fp16, 2 = fp32; bias
-// member t at bias + t * n in y's dtype (may be null).
+// size is a device value: a fixed grid strides over it, ~free when empty).
+// dtype 0 = bf16, 1 = fp16, 2 = fp32; bias member t at bias + t * n in y's
+// dtype (may be null).
 cudaError_t grouped_row_epilogue(void* y, const void* bias, int dtype, const grouped::GroupRows& rows,
                                  int num_groups, int64_t total_rows, int64_t n, bool zero_tail,
                                  cudaStream_t stream);

@@ -9,18 +9,11 @@ from typing import Dict, Tuple
 import torch
 
 from lpmoe.gemm.operands import GemmOperands
+from lpmoe.reference.numerics import ceil_div as _cdiv, round_up as _rup
 
 __all__ = ["fp8_weight_operand", "prepare_weight_list", "ptr_table"]
 
 _ptr_tables: Dict[Tuple[int, ...], torch.Tensor] = {}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _rup(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
 
 
 def _weight_scales(ops: GemmOperands, layout: str) -> Tuple[torch.Tensor, int]:
