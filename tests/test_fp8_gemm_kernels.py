@@ -154,9 +154,9 @@ def test_binding_rejects_unknown_config_before_any_work():
     a = torch.zeros(16, dtype=torch.uint8)
     offs = torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"config \(width 96, cluster 0\)"):
-        ext().grouped_gemm_cutlass(0, 2, a, None, a, None, 0, None, 0, a, offs, 2, 16, 16, 0.0, a, a, 96, 0)
+        ext().grouped_gemm_cutlass(0, 2, a, None, a, None, 0, None, 0, a, offs, 2, 16, 16, 0.0, a, a, 96, 0, False)
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-        ext().grouped_gemm_cutlass(0, 2, a, None, a, None, 0, None, 0, a, offs, 2, 16, 16, 0.0, a, a, 192, 2)
+        ext().grouped_gemm_cutlass(0, 2, a, None, a, None, 0, None, 0, a, offs, 2, 16, 16, 0.0, a, a, 192, 2, False)
 
 
 @requires_cuda

@@ -166,7 +166,7 @@ def test_fp8_block_on_a_non_hopper_gpu_names_the_alternative(monkeypatch):
     import lpmoe.functional.checks as checks
     from lpmoe.functional.splits import Splits
 
-    monkeypatch.setattr(checks, "_cuda_major", lambda device: 10)
+    monkeypatch.setattr(checks, "cuda_major", lambda device: 10)
     splits = Splits(torch.zeros(2, dtype=torch.int64), [0, 0])
     with pytest.raises(RuntimeError, match="Hopper.*MXFP8BlockScaling"):
         checks.check_recipe(Float8BlockScaling(), torch.bfloat16, 128, 128, splits, True, torch.device("cuda", 0))

@@ -62,7 +62,7 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
     const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems, const c10::optional<at::Tensor>& b_scale,
     int64_t b_scale_member_elems, const at::Tensor& d, const at::Tensor& padded_row_offsets, int64_t num_groups,
     int64_t n, int64_t k, double beta, const at::Tensor& setup, const at::Tensor& workspace, int64_t fp8_width,
-    int64_t fp8_cluster) {
+    int64_t fp8_cluster, bool zero_tail) {
   const gemm::GemmKind gk = to_kind(kind);
   if (!(fp8_width == -1 || (fp8_width == 0 && fp8_cluster == 0) ||
         fp8_gemm::block_scaled_supports({static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)},
@@ -125,6 +125,8 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
   args.b_member_elems = b_member_elems;
   args.d = d.data_ptr();
   args.beta = static_cast<float>(beta);
+  args.zero_tail = zero_tail && gk != gemm::GemmKind::kWgrad;
+  args.d_rows = args.zero_tail ? a_rows : 0;
   args.a_scale = a_scale.has_value() ? a_scale->data_ptr<float>() : nullptr;
   args.b_scale = b_scale.has_value() ? b_scale->data_ptr<float>() : nullptr;
   args.b_scale_member_elems = b_scale_member_elems;

@@ -108,7 +108,7 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
     const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems, const c10::optional<at::Tensor>& b_scale,
     int64_t b_scale_member_elems, const at::Tensor& d, const at::Tensor& padded_row_offsets, int64_t num_groups,
     int64_t n, int64_t k, double beta, const at::Tensor& setup, const at::Tensor& workspace, int64_t fp8_width,
-    int64_t fp8_cluster);
+    int64_t fp8_cluster, bool zero_tail);
 void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
                          const std::vector<int64_t>& b_addrs, const std::vector<int64_t>& b_scale_addrs,
                          const c10::optional<at::Tensor>& b_token, const c10::optional<at::Tensor>& b_token_scale,

@@ -89,7 +89,13 @@ cudaError_t run_block_scaled(const gemm::GroupedGemmArgs& args, int64_t a_rows, 
   const int64_t max_ctas = ((a_rows + kBlockM * cl - 1) / (kBlockM * cl) + g) * n_tiles * cl;
   const int64_t sm_ctas = args.sm_count / cl * cl;
   const int grid = static_cast<int>(max_ctas < sm_ctas ? max_ctas : sm_ctas);
-  cudaError_t st;
+  cudaError_t st = cudaSuccess;
+  // This kernel has no argument-building launch to fold the tail into.
+  if (args.zero_tail) {
+    st = gemm::grouped_row_epilogue(args.d, nullptr, /*bf16*/ 0, args.rows, g, args.d_rows, n_cols, true,
+                                    args.stream);
+    if (st != cudaSuccess) return st;
+  }
   switch (block_n) {
     case 128: st = launch_width<128>(cfg.cluster, map_a, map_b, p, grid, args.stream); break;
     case 160: st = launch_width<160>(cfg.cluster, map_a, map_b, p, grid, args.stream); break;

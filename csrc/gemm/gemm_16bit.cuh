@@ -9,6 +9,7 @@
 #pragma once
 
 #include "gemm/cutlass_grouped.cuh"
+#include "gemm/output_tail.cuh"
 
 namespace lpmoe {
 namespace gemm {
@@ -72,6 +73,11 @@ template <class C, class Element, GemmKind Kind>
 __global__ void build_args16(GroupedGemmArgs args, typename C::Arrays arr) {
   using Arrays = typename C::Arrays;
   using ElementD = typename C::ElementD;
+  const int arg_blocks = (args.num_groups + blockDim.x - 1) / blockDim.x;
+  if (blockIdx.x >= arg_blocks) {  // the blocks past the arguments' zero the capacity tail
+    zero_output_tail(args, blockIdx.x - arg_blocks, gridDim.x - arg_blocks);
+    return;
+  }
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= args.num_groups) return;
   const int64_t m = member_rows(args.rows.row, t);
@@ -113,7 +119,7 @@ cudaError_t run16(const GroupedGemmArgs& args) {
   SetupCarver carver{static_cast<char*>(args.setup)};
   auto arr = C::Arrays::carve(carver, args.num_groups);
   if (carver.used > args.setup_bytes) return cudaErrorInvalidValue;
-  build_args16<C, Element, Kind><<<(args.num_groups + 127) / 128, 128, 0, args.stream>>>(args, arr);
+  build_args16<C, Element, Kind><<<(args.num_groups + 127) / 128 + tail_blocks(args), 128, 0, args.stream>>>(args, arr);
   const bool acc = C::kWgrad && args.beta != 0.0f;
   typename Kernel::MainloopArguments mainloop{arr.a, arr.sa, arr.b, arr.sb};
   typename Kernel::EpilogueArguments epilogue{{}, acc ? arr.c : nullptr, arr.sc, arr.d, arr.sd};

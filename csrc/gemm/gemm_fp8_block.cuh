@@ -6,6 +6,7 @@
 #pragma once
 
 #include "gemm/cutlass_grouped.cuh"
+#include "gemm/output_tail.cuh"
 #include "gemm_tuning/tuning.h"
 
 namespace lpmoe {
@@ -72,6 +73,11 @@ __global__ void build_args8(GroupedGemmArgs args, typename C::Arrays arr, typena
   using Arrays = typename C::Arrays;
   using ElementA = typename C::ElementA;
   using ElementD = typename C::ElementD;
+  const int arg_blocks = (args.num_groups + blockDim.x - 1) / blockDim.x;
+  if (blockIdx.x >= arg_blocks) {  // the blocks past the arguments' zero the capacity tail
+    zero_output_tail(args, blockIdx.x - arg_blocks, gridDim.x - arg_blocks);
+    return;
+  }
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= args.num_groups) return;
   const int64_t m = member_rows(args.rows.row, t);
@@ -129,7 +135,7 @@ cudaError_t run8(const GroupedGemmArgs& args) {
   typename C::ScaleArrays sc{carver.take<const float*>(g), carver.take<const float*>(g),
                              carver.take<typename C::LayoutSFA>(g), carver.take<typename C::LayoutSFB>(g)};
   if (carver.used > args.setup_bytes) return cudaErrorInvalidValue;
-  build_args8<C><<<(g + 127) / 128, 128, 0, args.stream>>>(args, arr, sc);
+  build_args8<C><<<(g + 127) / 128 + tail_blocks(args), 128, 0, args.stream>>>(args, arr, sc);
   const bool acc = C::kWgrad && args.beta != 0.0f;
   typename Kernel::MainloopArguments mainloop{arr.a, arr.sa, arr.b, arr.sb, sc.sfa, sc.lsfa, sc.sfb, sc.lsfb};
   typename Kernel::EpilogueArguments epilogue{{}, acc ? arr.c : nullptr, arr.sc, arr.d, arr.sd};

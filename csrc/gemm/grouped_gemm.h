@@ -43,6 +43,11 @@ struct GroupedGemmArgs {
   int64_t b_member_elems = 0;
   void* d = nullptr;  // fprop/dgrad: token-grouped rows; wgrad: (G, N, K) fp32
   float beta = 0.0f;  // wgrad only: 1 adds into d (main_grad style)
+  // fprop/dgrad of a fresh output: rows [rows.row[G], d_rows) of d (the
+  // capacity tail, whose start is a device value) are zeroed by the launch
+  // that builds the per-group arguments (no extra kernel, no extra host call).
+  bool zero_tail = false;
+  int64_t d_rows = 0;
 
   // FP8 block scales (fp32 inverse scales, the quantizer's GEMM-ready
   // layouts); see fp8 launchers below for which buffer feeds which operand.

@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from lpmoe._device import cuda_major
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.recipe import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling
 
@@ -93,19 +94,14 @@ def check_main_grads(weights) -> None:
                              f"{mg.dtype} {tuple(mg.shape)} on {mg.device}")
 
 
-def _cuda_major(device: torch.device) -> int:
-    """Compute-capability major of a CUDA device (host query, no sync)."""
-    return torch.cuda.get_device_capability(device)[0]
-
-
 def check_recipe(recipe, dtype, n: int, k: int, splits, cuda: bool,
                   device: Optional[torch.device] = None) -> None:
     graph_safe = splits.host is None
     # (the hardware check runs when the layer op itself runs, not while Dynamo traces)
     if cuda and isinstance(recipe, Float8BlockScaling) and not torch.compiler.is_compiling() and \
-            _cuda_major(device) != 9:
+            cuda_major(device) != 9:
         raise RuntimeError(f"Float8BlockScaling needs Hopper (sm_90): its 1x128/128x128 FP8 GEMMs exist only "
-                           f"there (this GPU is sm_{_cuda_major(device)}x). On Blackwell the native FP8 "
+                           f"there (this GPU is sm_{cuda_major(device)}x). On Blackwell the native FP8 "
                            "recipe is MXFP8 (TransformerEngine); in lpmoe use MXFP8BlockScaling (numerics "
                            "emulation) with host m_splits, or no recipe.")
     if recipe is not None and not isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)):

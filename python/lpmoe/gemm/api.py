@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 import torch
 
 from lpmoe._async_inputs import ready
+from lpmoe._device import cuda_major
 from lpmoe.gemm.operands import GemmOperands, host_splits, parse_operands
 from lpmoe.gemm.reference import reference_grouped_gemm
 from lpmoe.gemm.weight_operands import fp8_weight_operand, ptr_table
@@ -58,7 +59,10 @@ _KIND = {"fprop": 0, "dgrad": 1, "wgrad": 2}
 #: (lpmoe's block-scaled kernel, csrc/fp8_gemm) or "fp8_cutlass"; 16-bit
 #: grouped calls count their tile's rows: "16bit_rows128" or "16bit_rows64"
 #: (fprop/dgrad of groups averaging <= 128 rows, csrc/gemm/heuristics16.h).
-CALLS = {"grouped": 0, "cublas": 0, "reference": 0, "fp8_cutlass": 0, "16bit_rows128": 0, "16bit_rows64": 0}
+#: "row_epilogue" counts the separate bias / capacity-tail launch (the grouped
+#: kernels zero a fresh output's tail themselves).
+CALLS = {"grouped": 0, "cublas": 0, "reference": 0, "fp8_cutlass": 0, "16bit_rows128": 0, "16bit_rows64": 0,
+         "row_epilogue": 0}
 
 # FP8 fprop/dgrad kernel of the grouped backend, (tile width, cluster):
 # zeros = the shape heuristic's choice (csrc/fp8_gemm/heuristics.h); width
@@ -144,7 +148,7 @@ def grouped_backend_support(ops: GemmOperands, out_dtype: torch.dtype) -> Option
     """None if the grouped backend runs this call, else the reason it cannot."""
     if ops.device.type != "cuda":
         return "operands are not on a CUDA device"
-    if torch.cuda.get_device_capability(ops.device)[0] != 9:
+    if cuda_major(ops.device) != 9:
         if ops.fp8:
             return ("FP8 block scaling GEMMs need Hopper (sm_90); on Blackwell use the MXFP8 recipe "
                     "(TransformerEngine) or bf16")
@@ -237,18 +241,22 @@ def grouped_gemm_impl(a, b, kind: str, out, accumulate: bool, bias, out_dtype, b
     fresh = out is None
     if fresh:
         out = torch.empty(shape, dtype=dtype, device=ops.device)
+    # A fresh output's capacity tail (rows past sum(M_t)) is zeroed; a group
+    # without device splits has none.  The grouped kernels' argument launch
+    # zeroes it (no launch or host call of its own) unless a bias epilogue runs
+    # anyway; the cuBLASLt loop leaves it to the row epilogue.
+    tail = fresh and ops.a.first_dims is not None and ops.kind != "wgrad" and ops.rows > 0
     if backend == "grouped":
         CALLS["grouped"] += 1
-        _run_grouped(ops, out, accumulate)
+        _run_grouped(ops, out, accumulate, zero_tail=tail and bias is None)
+        tail = tail and bias is not None
     else:
         CALLS["cublas"] += 1
         _run_cublas(ops, out, accumulate)
-    # A fresh output's capacity tail (rows past sum(M_t)) is zeroed; a group
-    # without device splits has none.
-    tail = fresh and ops.a.first_dims is not None
     if ops.kind != "wgrad" and (bias is not None or tail) and ops.rows > 0:
         from lpmoe._ext import ext
 
+        CALLS["row_epilogue"] += 1
         ext().grouped_row_epilogue(out, bias, ops.a.padded_row_offsets, ops.num_groups, tail)
     return out
 
@@ -263,7 +271,7 @@ def _cublas_is_faster(ops: GemmOperands) -> bool:
     return ops.kind == "wgrad" or all(m % 4 == 0 for m in used)
 
 
-def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None:
+def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool, zero_tail: bool = False) -> None:
     from lpmoe._ext import ext
 
     g, n, k = ops.num_groups, ops.n, ops.k
@@ -301,7 +309,7 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool) -> None
     setup = setup_workspace(ops.device, g)
     width, cluster = ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member,
                                                 b_scale, b_scale_member, target, a.padded_row_offsets, g, n, k,
-                                                1.0 if accumulate else 0.0, setup, ws, *_fp8_config)
+                                                1.0 if accumulate else 0.0, setup, ws, *_fp8_config, zero_tail)
     key = fp8_kernel_key(width, cluster) if ops.fp8 else f"16bit_rows{width}"
     CALLS[key] = CALLS.get(key, 0) + 1
     if target is not out:
