@@ -38,6 +38,14 @@ struct BlockScaledParams {
 constexpr int kBlockM = 128;  // token rows per CTA tile (two math warpgroups x 64)
 constexpr int kMaxKBlocks = 256;  // contraction up to 32768 (B scales of a tile live in shared memory)
 constexpr int kBandTiles = 8;
+// Epilogue staging: a math warp's 16 output rows leave kEpilogueCols columns
+// at a time through shared memory, so each lane stores 16 contiguous bytes
+// (the wgmma fragment spreads a row's 4-byte pairs over four lanes).  Rows are
+// 32 data bytes + 16 pad bytes: the fragment's 4-byte writes hit 32 distinct
+// banks.
+constexpr int kEpilogueCols = 16;
+constexpr int kEpilogueRowBytes = 48;
+constexpr int kEpilogueWarpBytes = 16 * kEpilogueRowBytes;
 constexpr int kSmemLimit = 232448;  // sm_90 opt-in dynamic shared memory per block
 
 template <int BlockN>
@@ -53,13 +61,17 @@ struct BlockScaledLayout {
   static constexpr int kStageBytes = kABytes + kBBytes;         // TMA tiles
   static constexpr int kAScaleStageBytes = kBlockM * 4;         // A's scales per stage
   static constexpr int kBScaleBytes = 2 * 2 * kMaxKBlocks * 4;  // per math warpgroup: two scale blocks
-  // Reserve 1 KB alignment slack, the B scales, and 8 KB for barriers and the
-  // scheduler's tile table; the rest is pipeline stages.
-  static constexpr int kStages = (kSmemLimit - 1024 - kBScaleBytes - 8192) / (kStageBytes + kAScaleStageBytes);
+  static constexpr int kEpilogueBytes = 8 * kEpilogueWarpBytes;  // one staging tile per math warp
+  // Reserve 1 KB alignment slack, the B scales, the epilogue's staging and
+  // 8 KB for barriers and the scheduler's tile table; the rest is pipeline
+  // stages (5 / 5 / 6 at widths 192 / 160 / 128, as before the staging).
+  static constexpr int kStages =
+      (kSmemLimit - 1024 - kBScaleBytes - kEpilogueBytes - 8192) / (kStageBytes + kAScaleStageBytes);
   static_assert(kStages >= 3, "too few stages");
   static constexpr int kAScaleOffset = kStages * kStageBytes;
   static constexpr int kBScaleOffset = kAScaleOffset + kStages * kAScaleStageBytes;
-  static constexpr int kBarOffset = kBScaleOffset + kBScaleBytes;
+  static constexpr int kEpilogueOffset = kBScaleOffset + kBScaleBytes;
+  static constexpr int kBarOffset = kEpilogueOffset + kEpilogueBytes;
   static constexpr int kTableOffset = kBarOffset + 2 * kStages * 8;
   // The scheduler's table: 12 bytes per group (tile_scheduler.cuh).
   static constexpr size_t smem_bytes(int groups) { return 1024 + kTableOffset + 4 * (3 * size_t(groups) + 2); }
