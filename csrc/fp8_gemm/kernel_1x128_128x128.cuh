@@ -102,19 +102,36 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
   float* sb = reinterpret_cast<float*>(smem + L::kBScaleOffset) + wg * 2 * kMaxKBlocks;
   const int tid_wg = threadIdx.x % 128;
   uint8_t* stage_out = smem + L::kEpilogueOffset + warp * kEpilogueWarpBytes;  // this warp's staging tile
+  // A tile's B scales are fetched into registers while the previous tile's
+  // epilogue runs (one L2 round trip per tile taken off the math warps' path),
+  // then written to `sb` when the tile starts.
+  constexpr int kScalesPerThread = (2 * kMaxKBlocks + 127) / 128;
+  float next_sb[kScalesPerThread];
+  auto fetch_b_scales = [&](int tile) {
+    const TileCoord t = sched.locate(tile);
+    const float* bs = p.b_scale + int64_t(t.group) * p.b_scale_member;
+    const int lo = t.n_block * BlockN / 128;
+    const int hi = min(lo + 1, b_blocks - 1);
+#pragma unroll
+    for (int q = 0; q < kScalesPerThread; ++q) {
+      const int i = tid_wg + 128 * q;
+      if (i < 2 * nkb) {
+        const int kb = i < nkb ? i : i - nkb;
+        next_sb[q] = __ldg(bs + int64_t(kb) * p.b_scale_ld + (i < nkb ? lo : hi));
+      }
+    }
+  };
+  if (first_tile < total) fetch_b_scales(first_tile);
   RingPos<kStages> pos;
   for (int tile = first_tile; tile < total; tile += tile_step) {
     const TileCoord c = sched.locate(tile);
     const int n0 = c.n_block * BlockN;
     const int m0 = (c.m_block * Cluster + rank) * kBlockM;
-    const float* bs = p.b_scale + int64_t(c.group) * p.b_scale_member;
-    const int nb_lo = n0 / 128;
-    const int nb_hi = min(nb_lo + 1, b_blocks - 1);
-    const int split = 128 - (n0 % 128);  // first tile column of weight block nb_hi
+    const int split = 128 - (n0 % 128);  // first tile column of weight block nb_hi = n0 / 128 + 1
     cutlass::arch::NamedBarrier::sync(128, 1 + wg);  // the previous tile's readers are done
-    for (int i = tid_wg; i < 2 * nkb; i += 128) {
-      const int kb = i < nkb ? i : i - nkb;
-      sb[i] = __ldg(bs + int64_t(kb) * p.b_scale_ld + (i < nkb ? nb_lo : nb_hi));
+#pragma unroll
+    for (int q = 0; q < kScalesPerThread; ++q) {
+      if (tid_wg + 128 * q < 2 * nkb) sb[tid_wg + 128 * q] = next_sb[q];
     }
     cutlass::arch::NamedBarrier::sync(128, 1 + wg);
 #pragma unroll
@@ -159,6 +176,7 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
       promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
       pos.next();
     }
+    if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue
 
     // Epilogue: kEpilogueCols columns at a time, the warp's fragment goes
     // into its staging tile (rows lane/4 and +8) and comes back as one
