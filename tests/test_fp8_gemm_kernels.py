@@ -97,7 +97,7 @@ def test_gpu_all_widths_agree_closely():
 
 def _choices(sm_count):
     """First (rows, groups, cols) on which the heuristic picks each
-    configuration ((-1, 0) = the CUTLASS kernel)."""
+    configuration."""
     from lpmoe._ext import ext
     found = {}
     for g in (16, 32, 64):
@@ -111,9 +111,13 @@ def _choices(sm_count):
 def test_heuristic_choices_and_validation():
     from lpmoe._ext import ext
     found = _choices(132)
-    # lpmoe's kernel (cluster 1, every width) on small groups, CUTLASS on large
-    assert set(found) == {(128, 1), (160, 1), (192, 1), (-1, 0)}, sorted(found)
-    assert tuple(ext().fp8_block_scaled_choice(8 * 4096, 8, 4096, 132)) == (-1, 0)  # the anchor shape
+    # every width; cluster 1 on groups of <= 128 rows on average, cluster 2
+    # (weight-tile multicast) on larger ones; the CUTLASS kernel is never the
+    # heuristic's pick (the binding falls back to it where lpmoe's cannot run)
+    assert set(found) == {(w, c) for w in (128, 160, 192) for c in (1, 2)}, sorted(found)
+    for (w, c), (rows, g, _) in found.items():
+        assert (c == 2) == (rows > 128 * g)
+    assert tuple(ext().fp8_block_scaled_choice(8 * 4096, 8, 4096, 132)) == (192, 2)  # the anchor shape
     with pytest.raises(RuntimeError, match="num_groups >= 1"):
         ext().fp8_block_scaled_choice(128, 0, 128, 132)
 
@@ -123,7 +127,7 @@ def test_gpu_heuristic_choices_run_through_auto():
     """Shapes on which the heuristic picks each width; the automatic path
     must run exactly that kernel and be right."""
     found = _choices(torch.cuda.get_device_properties(0).multi_processor_count)
-    assert (-1, 0) in found and len(found) > 1
+    assert {c for _, c in found} == {1, 2} and len(found) > 2
     for config, (rows, g, cols) in sorted(found.items()):
         splits = [rows // g] * g
         splits[0] -= 3

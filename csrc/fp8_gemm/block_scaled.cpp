@@ -51,10 +51,7 @@ cudaError_t run_block_scaled(const gemm::GroupedGemmArgs& args, int64_t a_rows, 
   const int64_t ldb = fprop ? args.k : (args.n + 127) / 128 * 128;
   const int g = args.num_groups;
   const BlockScaledConfig pick = choose_config(a_rows, g, n_cols, args.sm_count);
-  if (cfg.block_n == 0) {
-    if (pick.block_n < 0) return cudaErrorNotSupported;  // the heuristic picks CUTLASS
-    cfg.block_n = pick.block_n;
-  }
+  if (cfg.block_n == 0) cfg.block_n = pick.block_n;
   if (cfg.cluster == 0) cfg.cluster = pick.cluster != 0 ? pick.cluster : 1;
   if (!block_scaled_supports(cfg, g)) return cudaErrorNotSupported;
   // int coordinates and the scheduler's int table (pad4 <= rows + 3 per group)

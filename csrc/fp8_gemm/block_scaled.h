@@ -83,7 +83,7 @@ struct BlockScaledLayout {
 constexpr int kBlockNs[] = {128, 160, 192};
 
 struct BlockScaledConfig {
-  int block_n = 0;  // 0: the heuristic's choice; -1 (heuristic's answer): the CUTLASS kernel
+  int block_n = 0;  // 0: the heuristic's choice; -1 (pinned by a caller): the CUTLASS kernel
   int cluster = 0;  // 0: the heuristic's choice
 };
 
@@ -98,8 +98,8 @@ cudaError_t launch_block_scaled(const CUtensorMap& a, const CUtensorMap& b, cons
 bool block_scaled_supports(BlockScaledConfig cfg, int num_groups);
 
 // fprop / dgrad with the given configuration (zeros filled in by the
-// heuristic, heuristics.h; cudaErrorNotSupported when the heuristic picks
-// the CUTLASS kernel or the call does not fit this kernel).  `a_rows` = rows of the token operand buffer
+// heuristic, heuristics.h; cudaErrorNotSupported when the call does not fit
+// this kernel: the binding then runs the CUTLASS kernel).  `a_rows` = rows of the token operand buffer
 // (TMA bounds).  *ran = the configuration that ran ({0, 0} if none).
 cudaError_t run_block_scaled(const gemm::GroupedGemmArgs& args, int64_t a_rows, BlockScaledConfig cfg,
                              BlockScaledConfig* ran);

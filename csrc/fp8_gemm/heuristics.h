@@ -40,25 +40,22 @@ inline int choose_block_n(int64_t a_rows, int num_groups, int64_t n_cols, int sm
   return best;
 }
 
-// lpmoe's kernel is chosen only where it measured faster than the CUTLASS
-// kernel (benchmarks/bench_fp8_kernel_configs.py, H100,
-// docs/fp8-gemm-kernel-notes.md): groups of at most this many rows on average
-// (64-token groups: 1.02-1.08x).
-// On larger groups CUTLASS's 128x128 tile with a 1x2 cluster stays 5-15 %
-// ahead of every configuration here, so the heuristic returns block_n = -1
-// (run CUTLASS) there.  Clusters of 2 (B multicast) gave no consistent gain
-// (within +-10 % of cluster 1 either way, on large groups only) and lose on
-// 64-token groups (paired tiles half empty, 0.76-0.81x): the heuristic uses
-// cluster 1; cluster 2 stays for pinned configurations.
-constexpr int64_t kOwnKernelMaxRowsPerGroup = 128;
+// Clusters: groups of at most kSmallGroupRows rows on average take cluster 1
+// (paired 128-row tiles would be half empty: cluster 2 measured 0.76-0.81x
+// there); larger groups take cluster 2, whose weight-tile multicast halves
+// the weight bytes each CTA pulls from L2.  Measured on the H100
+// (benchmarks/bench_fp8_kernel_configs.py --rounds 2, after the staged
+// epilogue and B-scale prefetch; docs/fp8-gemm-kernel-notes.md): cluster 2
+// at the cost model's width was 0.99-1.17x the CUTLASS kernel on all 14
+// large-group rows (DeepSeek-V3, Mixtral, Qwen3 with 512-1024-token groups),
+// while cluster 1 swung from 1.24x (Mixtral fprop) to 0.69x (32 x 2048-row
+// groups).  The CUTLASS kernel stays for what this kernel cannot run
+// (discrete weights, more groups than its table holds, K > 32768).
+constexpr int64_t kSmallGroupRows = 128;
 
 inline BlockScaledConfig choose_config(int64_t a_rows, int num_groups, int64_t n_cols, int sm_count) {
   BlockScaledConfig c;
-  if (a_rows > kOwnKernelMaxRowsPerGroup * num_groups) {
-    c.block_n = -1;
-    return c;
-  }
-  c.cluster = 1;
+  c.cluster = a_rows > kSmallGroupRows * num_groups ? 2 : 1;
   c.block_n = choose_block_n(a_rows, num_groups, n_cols, sm_count);
   return c;
 }

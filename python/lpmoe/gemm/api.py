@@ -2,12 +2,15 @@
 
 Backends
 --------
-``"grouped"``  lpmoe's CUTLASS sm_90 pointer-array kernels.  Group sizes are
-    read on the GPU (the operands' device row prefix sums); a device kernel
-    writes the per-group pointers, shapes and strides into a persistent setup
-    buffer, so a call never syncs with the host and can be captured in a CUDA
-    graph and replayed with different routing.  bf16/fp16 and FP8 block
-    scaling (E4M3 operands), any group sizes including 0.
+``"grouped"``  lpmoe's sm_90 grouped kernels: its own FP8 block-scaled kernel
+    for FP8 fprop/dgrad (csrc/fp8_gemm), CUTLASS pointer-array kernels for
+    16-bit products, FP8 wgrad and what lpmoe's kernel cannot run (discrete
+    weights).  Group sizes are read on the GPU (the operands' device row
+    prefix sums; the CUTLASS paths' argument launch writes per-group
+    pointers, shapes and strides into a persistent setup buffer), so a call
+    never syncs with the host and can be captured in a CUDA graph and
+    replayed with different routing.  bf16/fp16 and FP8 block scaling (E4M3
+    operands), any group sizes including 0.
 ``"cublas"``   one cuBLASLt matmul per non-empty group (VEC128_32F x
     BLK128x128_32F scaling for fprop/dgrad, VEC128 x VEC128 for wgrad).  It
     needs the split sizes on the host: pass ``m_splits`` (a list), otherwise
