@@ -37,7 +37,7 @@ struct BlockScaledParams {
 
 constexpr int kBlockM = 128;  // token rows per CTA tile (two math warpgroups x 64)
 constexpr int kMaxKBlocks = 256;  // contraction up to 32768 (B scales of a tile live in shared memory)
-constexpr int kBandTiles = 8;
+constexpr int kBandRowTiles = 16;  // 128-row tiles per scheduler band (tile_scheduler.cuh)
 // Epilogue staging: a math warp's 16 output rows leave kEpilogueCols columns
 // at a time through shared memory, so each lane stores 16 contiguous bytes
 // (the wgmma fragment spreads a row's 4-byte pairs over four lanes).  Rows are

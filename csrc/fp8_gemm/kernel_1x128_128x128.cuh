@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(Cluster == 1 || Cluster == 2, "cluster of 1 or 2 CTAs along M");
   const int rank = Cluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
   // The scheduler hands out cluster tiles of Cluster x 128 rows.
-  GroupedTileScheduler<kBlockM * Cluster, kBandTiles> sched{p.row, p.pad4, p.num_groups,
+  GroupedTileScheduler<kBlockM * Cluster, kBandRowTiles / Cluster> sched{p.row, p.pad4, p.num_groups,
                                                             (p.n_cols + BlockN - 1) / BlockN,
                                                             reinterpret_cast<int*>(smem + L::kTableOffset)};
   if (threadIdx.x == 0) {
