@@ -102,9 +102,13 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
   float* sb = reinterpret_cast<float*>(smem + L::kBScaleOffset) + wg * 2 * kMaxKBlocks;
   const int tid_wg = threadIdx.x % 128;
   uint8_t* stage_out = smem + L::kEpilogueOffset + warp * kEpilogueWarpBytes;  // this warp's staging tile
-  // A tile's B scales are fetched into registers while the previous tile's
-  // epilogue runs (one L2 round trip per tile taken off the math warps' path),
-  // then written to `sb` when the tile starts.
+  // A tile's B scales go global -> registers -> `sb`.  With a cluster of 2
+  // the registers are loaded while the previous tile's epilogue runs (one L2
+  // round trip per tile off the math warps' path); with cluster 1 at the
+  // tile start.  ncu at base clocks, anchor fprop, early against at-start:
+  // n192c2 1.70-1.72 vs 1.75 ms, but n192c1 1.77-1.80 vs 1.74-1.75 and n128c1
+  // 1.89-1.96 vs 1.78-1.80 (cause not found).
+  constexpr bool kEarlyScales = Cluster == 2;
   constexpr int kScalesPerThread = (2 * kMaxKBlocks + 127) / 128;
   float next_sb[kScalesPerThread];
   auto fetch_b_scales = [&](int tile) {
@@ -121,7 +125,7 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
       }
     }
   };
-  if (first_tile < total) fetch_b_scales(first_tile);
+  if (kEarlyScales && first_tile < total) fetch_b_scales(first_tile);
   RingPos<kStages> pos;
   for (int tile = first_tile; tile < total; tile += tile_step) {
     const TileCoord c = sched.locate(tile);
@@ -129,6 +133,7 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
     const int m0 = (c.m_block * Cluster + rank) * kBlockM;
     const int split = 128 - (n0 % 128);  // first tile column of weight block nb_hi = n0 / 128 + 1
     cutlass::arch::NamedBarrier::sync(128, 1 + wg);  // the previous tile's readers are done
+    if constexpr (!kEarlyScales) fetch_b_scales(tile);
 #pragma unroll
     for (int q = 0; q < kScalesPerThread; ++q) {
       if (tid_wg + 128 * q < 2 * nkb) sb[tid_wg + 128 * q] = next_sb[q];
@@ -176,7 +181,9 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
       promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
       pos.next();
     }
-    if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue
+    if constexpr (kEarlyScales) {
+      if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue
+    }
 
     // Epilogue: kEpilogueCols columns at a time, the warp's fragment goes
     // into its staging tile (rows lane/4 and +8) and comes back as one
