@@ -97,8 +97,9 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
   const int b_blocks = (p.n_cols + 127) / 128;
   float acc[BlockN / 2];
   float res[BlockN / 2];
-  // This warpgroup's copy of the tile's B scales: [0, nkb) block nb_lo,
-  // [nkb, 2 nkb) block nb_hi (a private copy: only a warpgroup barrier).
+  // This warpgroup's copy of the tile's B scales: [0, nkb) weight-scale
+  // block n0 / 128, [nkb, 2 nkb) the next one (a private copy: only a
+  // warpgroup barrier).
   float* sb = reinterpret_cast<float*>(smem + L::kBScaleOffset) + wg * 2 * kMaxKBlocks;
   const int tid_wg = threadIdx.x % 128;
   uint8_t* stage_out = smem + L::kEpilogueOffset + warp * kEpilogueWarpBytes;  // this warp's staging tile
@@ -131,7 +132,7 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
     const TileCoord c = sched.locate(tile);
     const int n0 = c.n_block * BlockN;
     const int m0 = (c.m_block * Cluster + rank) * kBlockM;
-    const int split = 128 - (n0 % 128);  // first tile column of weight block nb_hi = n0 / 128 + 1
+    const int split = 128 - (n0 % 128);  // first tile column of weight-scale block n0 / 128 + 1
     cutlass::arch::NamedBarrier::sync(128, 1 + wg);  // the previous tile's readers are done
     if constexpr (!kEarlyScales) fetch_b_scales(tile);
 #pragma unroll
