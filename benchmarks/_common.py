@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import time
 from typing import Callable, List
 
 import torch
@@ -52,6 +53,20 @@ def graph_median_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 15, 
     torch.cuda.synchronize()
     times: List[float] = [events_ms(graph.replay, 1) / reps for _ in range(iters)]
     return statistics.median(times)
+
+
+def host_us(fn: Callable[[], object], n: int = 50) -> float:
+    """Host microseconds per fn() call, measured while the GPU sleeps so that
+    no call waits on the device (launch-bound calls: the host cost alone)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e9))  # ~1.7 s of GPU cycles: longer than the n calls
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def time_and_peak(step: Callable[[], object], reset: Callable[[], object] = lambda: None):

@@ -6,26 +6,13 @@ waits on the device), and, for the Qwen3 shapes, the kernels of one call.
     PYTHONPATH=python python3 tools/profile_16bit_gemm.py   (GPU machine)
 """
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "benchmarks")
 import lpmoe  # noqa: E402
-from _common import graph_median_ms, median_ms, splits_for  # noqa: E402
+from _common import graph_median_ms, host_us, median_ms, splits_for  # noqa: E402
 from bench_grouped_gemm import SHAPES, grouped  # noqa: E402
-
-
-def host_us(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
 
 
 def kernels(fn):

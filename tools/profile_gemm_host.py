@@ -17,7 +17,6 @@ Host time is measured while the GPU sleeps, so no call waits on the device.
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 
@@ -26,19 +25,7 @@ import lpmoe  # noqa: E402
 from lpmoe._ext import ext  # noqa: E402
 from lpmoe.gemm.operands import parse_operands  # noqa: E402
 from bench_grouped_gemm import grouped  # noqa: E402
-from _common import splits_for  # noqa: E402
-
-
-def host_us(fn, n=200):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e9))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+from _common import host_us, splits_for  # noqa: E402
 
 
 def captured(name, fn):
@@ -96,7 +83,7 @@ def main():
         line = []
         for name, fn in cases.items():
             if fn is not None:
-                line.append(f"{name} {host_us(fn):.1f}")
+                line.append(f"{name} {host_us(fn, n=200):.1f}")
         print(f"round {rnd}: host us per call: " + " | ".join(line), flush=True)
 
     prof = cProfile.Profile()

@@ -6,6 +6,7 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
+from lpmoe._device import cuda_major
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import WeightCache, grouped_linear
 
@@ -20,7 +21,7 @@ def _prepare_workspaces(weights) -> None:
     table: the GEMMs address its experts from its base.)"""
     stacked = isinstance(weights, torch.Tensor)
     weight = weights if stacked else weights[0]
-    if weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] == 9:
+    if weight.is_cuda and cuda_major(weight.device) == 9:
         from lpmoe.gemm.weight_operands import prepare_weight_list
         from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace
         for slot in (0, 1):
