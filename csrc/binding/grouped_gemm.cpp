@@ -12,6 +12,7 @@
 #include "binding/ops.h"
 #include "fp8_gemm/block_scaled.h"
 #include "fp8_gemm/heuristics.h"
+#include "fp8_gemm/wgrad.h"
 #include "gemm/cublaslt_matmul.h"
 #include "gemm/grouped_gemm.h"
 #include "gemm/heuristics16.h"
@@ -52,6 +53,12 @@ std::tuple<int64_t, int64_t> fp8_block_scaled_choice(int64_t a_rows, int64_t num
   return {c.block_n, c.cluster};  // (-1, 0): the CUTLASS kernel
 }
 
+std::tuple<int64_t, int64_t> fp8_wgrad_choice(int64_t n, int64_t k) {
+  TORCH_CHECK(n >= 1 && k >= 1, "lpmoe: fp8_wgrad_choice needs n >= 1 and k >= 1");
+  const auto c = fp8_gemm::choose_wgrad_config(n, k);
+  return {c.block_n, c.cluster};
+}
+
 int64_t grouped_gemm_setup_bytes(int64_t num_groups) {
   TORCH_CHECK(num_groups >= 0, "lpmoe: num_groups must be >= 0");
   return static_cast<int64_t>(gemm::grouped_gemm_setup_bytes(static_cast<int>(num_groups)));
@@ -64,10 +71,13 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
     int64_t n, int64_t k, double beta, const at::Tensor& setup, const at::Tensor& workspace, int64_t fp8_width,
     int64_t fp8_cluster, bool zero_tail) {
   const gemm::GemmKind gk = to_kind(kind);
-  if (!(fp8_width == -1 || (fp8_width == 0 && fp8_cluster == 0) ||
-        fp8_gemm::block_scaled_supports({static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)},
-                                        static_cast<int>(num_groups)))) {
-    throw std::invalid_argument("lpmoe: FP8 kernel config (width " + std::to_string(fp8_width) + ", cluster " +
+  const fp8_gemm::BlockScaledConfig pinned{static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)};
+  const bool config_exists = gk == gemm::GemmKind::kWgrad
+                                 ? fp8_gemm::wgrad_supports(pinned, static_cast<int>(num_groups))
+                                 : fp8_gemm::block_scaled_supports(pinned, static_cast<int>(num_groups));
+  if (!(fp8_width == -1 || (fp8_width == 0 && fp8_cluster == 0) || config_exists)) {
+    throw std::invalid_argument("lpmoe: FP8 " + std::string(gk == gemm::GemmKind::kWgrad ? "wgrad " : "") +
+                                "kernel config (width " + std::to_string(fp8_width) + ", cluster " +
                                 std::to_string(fp8_cluster) + ") does not exist in this build for " +
                                 std::to_string(num_groups) + " groups");
   }
@@ -124,6 +134,7 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
   args.b_ptrs = b_ptrs.has_value() ? b_ptrs->data_ptr<int64_t>() : nullptr;
   args.b_member_elems = b_member_elems;
   args.d = d.data_ptr();
+  args.wgrad_bf16 = wgrad_bf16;
   args.beta = static_cast<float>(beta);
   args.zero_tail = zero_tail && gk != gemm::GemmKind::kWgrad;
   args.d_rows = args.zero_tail ? a_rows : 0;
@@ -138,13 +149,14 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
   args.stream = current_stream();
   cudaError_t st = cudaErrorNotSupported;
   fp8_gemm::BlockScaledConfig ran{-1, 0};  // CUTLASS
-  if (fp8 && gk != gemm::GemmKind::kWgrad && fp8_width != -1) {
-    // lpmoe's block-scaled kernel.  The heuristic's choice (zeros) falls back
-    // to CUTLASS where it cannot run (discrete weights, too many groups); a
-    // forced configuration fails instead.
+  if (fp8 && fp8_width != -1) {
+    // lpmoe's block-scaled kernels.  The heuristic's choice (zeros) falls
+    // back to CUTLASS where they cannot run (discrete weights, too many
+    // groups); a forced configuration fails instead.
     const fp8_gemm::BlockScaledConfig want{static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)};
     const bool forced = fp8_width != 0 || fp8_cluster != 0;
-    st = fp8_gemm::run_block_scaled(args, a_rows, want, &ran);
+    st = gk == gemm::GemmKind::kWgrad ? fp8_gemm::run_wgrad(args, want, &ran)
+                                      : fp8_gemm::run_block_scaled(args, a_rows, want, &ran);
     if (st == cudaErrorNotSupported && forced) {
       throw std::invalid_argument("lpmoe: the FP8 block-scaled kernel cannot run this call with config (width " +
                                   std::to_string(fp8_width) + ", cluster " + std::to_string(fp8_cluster) + ")");

@@ -31,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_gemm_setup_bytes", &lpmoe::binding::grouped_gemm_setup_bytes);
   m.def("grouped_gemm_cutlass", &lpmoe::binding::grouped_gemm_cutlass);
   m.def("fp8_block_scaled_choice", &lpmoe::binding::fp8_block_scaled_choice);
+  m.def("fp8_wgrad_choice", &lpmoe::binding::fp8_wgrad_choice);
   m.def("grouped_gemm_cublas", &lpmoe::binding::grouped_gemm_cublas);
   m.def("grouped_row_epilogue", &lpmoe::binding::grouped_row_epilogue);
 }

@@ -98,11 +98,14 @@ int64_t grouped_gemm_setup_bytes(int64_t num_groups);
 // (tile width, cluster) the FP8 fprop/dgrad heuristic picks (csrc/fp8_gemm/heuristics.h).
 std::tuple<int64_t, int64_t> fp8_block_scaled_choice(int64_t a_rows, int64_t num_groups, int64_t n_cols,
                                                      int64_t sm_count);
+// (tile width, cluster) the FP8 wgrad heuristic picks for dW (n x k).
+std::tuple<int64_t, int64_t> fp8_wgrad_choice(int64_t n, int64_t k);
 // Returns which kernel ran: (tile width, cluster) of lpmoe's FP8
 // block-scaled kernel, (-1, 0) for the CUTLASS FP8 kernels, and (tile rows,
 // 0) for the 16-bit kernels (64 or 128, gemm/heuristics16.h).  fp8_width: 0 =
 // the heuristic's choice, -1 = the CUTLASS kernel, else a tile width;
-// fp8_cluster: 0 = the heuristic's choice, else 1 or 2 (FP8 fprop/dgrad).
+// fp8_cluster: 0 = the heuristic's choice, else 1 or 2 (FP8 fprop/dgrad, and
+// wgrad with its own widths).
 std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
     int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale, const at::Tensor& b,
     const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems, const c10::optional<at::Tensor>& b_scale,

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "fp8_gemm/block_scaled.h"
+#include "fp8_gemm/wgrad.h"
 
 namespace lpmoe {
 namespace fp8_gemm {
@@ -57,6 +58,29 @@ inline BlockScaledConfig choose_config(int64_t a_rows, int num_groups, int64_t n
   BlockScaledConfig c;
   c.cluster = a_rows > kSmallGroupRows * num_groups ? 2 : 1;
   c.block_n = choose_block_n(a_rows, num_groups, n_cols, sm_count);
+  return c;
+}
+
+// wgrad (wgrad.h): every member has the same (N / 128) x (K / BlockN)
+// tiles, thousands of them on real shapes, so waves do not matter; the width
+// minimises the columns computed plus the per-tile overhead over K.  Cluster
+// 1: on the H100 (benchmarks/bench_fp8_wgrad_configs.py, two runs,
+// docs/fp8-gemm-kernel-notes.md) n192c1 was at or above n192c2 on all eight
+// shapes (e.g. DeepSeek-V3 up 918 vs 858 TFLOP/s with the TMA epilogue),
+// unlike fprop/dgrad, where the multicast relieved L2; cluster 2 stays
+// available for pinning.
+inline BlockScaledConfig choose_wgrad_config(int64_t n_rows, int64_t k_cols) {
+  (void)n_rows;
+  BlockScaledConfig c;
+  c.cluster = 1;
+  double best_cost = 0.0;
+  for (int bn : kWgradBlockNs) {
+    const double cost = static_cast<double>((k_cols + bn - 1) / bn) * (bn + kTileOverheadCols);
+    if (c.block_n == 0 || cost <= best_cost) {
+      c.block_n = bn;
+      best_cost = cost;
+    }
+  }
   return c;
 }
 

@@ -105,6 +105,10 @@ __device__ __forceinline__ void tma_load_3d_multicast(const CUtensorMap* map, ui
                                                       int c0, int c1, int c2) {
   cute::SM90_TMA_LOAD_MULTICAST_3D::copy(map, bar, static_cast<uint16_t>(mask), kEvictNormal, smem, c0, c1, c2);
 }
+__device__ __forceinline__ void tma_load_2d_multicast(const CUtensorMap* map, uint64_t* bar, uint32_t mask, void* smem,
+                                                      int c0, int c1) {
+  cute::SM90_TMA_LOAD_MULTICAST_2D::copy(map, bar, static_cast<uint16_t>(mask), kEvictNormal, smem, c0, c1);
+}
 
 // Plain bulk copy global -> shared (16-byte aligned, bytes a multiple of 16).
 __device__ __forceinline__ void bulk_load(uint64_t* bar, void* smem, const void* gmem, uint32_t bytes) {

@@ -36,5 +36,19 @@ bool encode_kmajor_fp8_map(CUtensorMap* map, int rank, const void* base, uint64_
   return r == CUDA_SUCCESS;
 }
 
+bool encode_fp32_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
+                          uint32_t box_cols, uint32_t box_rows) {
+  auto fn = encode_fn();
+  if (fn == nullptr || box_cols * 4 != 128) return false;
+  const cuuint64_t dims[3] = {cols, rows, members};
+  const cuuint64_t strides[2] = {cols * 4, cols * rows * 4};
+  const cuuint32_t box[3] = {box_cols, box_rows, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
 }  // namespace fp8_gemm
 }  // namespace lpmoe

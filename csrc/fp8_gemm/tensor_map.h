@@ -18,5 +18,11 @@ namespace fp8_gemm {
 bool encode_kmajor_fp8_map(CUtensorMap* map, int rank, const void* base, uint64_t k, uint64_t rows, uint64_t row_stride,
                            uint64_t members, uint64_t member_stride, uint32_t box_rows);
 
+// Map over a (members, rows, cols) fp32 tensor (row-major, packed), read and
+// written in (box_cols x box_rows) boxes with 128-byte swizzle (box_cols * 4
+// must be 128); the coordinates are (col, row, member).
+bool encode_fp32_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
+                          uint32_t box_cols, uint32_t box_rows);
+
 }  // namespace fp8_gemm
 }  // namespace lpmoe

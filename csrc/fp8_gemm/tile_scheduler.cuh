@@ -99,5 +99,36 @@ struct GroupedTileScheduler {
   }
 };
 
+// Weight-gradient tiles: every member owns the same (N / BlockM) x (K /
+// BlockN) output tiles, so a tile's member is a division (no table); the
+// work per tile (the member's token blocks) varies, an empty member's tiles
+// only write zeros.  Inside a member: bands of BandRows row tiles, row tiles
+// fastest, as above (a band's dy^T rows stay in L2 while x^T streams).
+struct WgradTile {
+  int group;
+  int m_block;
+  int n_block;
+};
+
+template <int BandRows>
+struct WgradTileOrder {
+  int m_tiles;  // row tiles (in scheduler units: Cluster x 128 rows) per member
+  int n_tiles;  // column tiles per member
+
+  __device__ int per_member() const { return m_tiles * n_tiles; }
+
+  __device__ WgradTile locate(int tile) const {
+    WgradTile t;
+    t.group = tile / per_member();
+    const int local = tile - t.group * per_member();
+    const int band = local / (BandRows * n_tiles);
+    const int in_band = local - band * BandRows * n_tiles;
+    const int height = min(BandRows, m_tiles - band * BandRows);
+    t.m_block = band * BandRows + in_band % height;
+    t.n_block = in_band / height;
+    return t;
+  }
+};
+
 }  // namespace fp8_gemm
 }  // namespace lpmoe

@@ -42,6 +42,7 @@ struct GroupedGemmArgs {
   const int64_t* b_ptrs = nullptr;  // device array of G addresses, optional
   int64_t b_member_elems = 0;
   void* d = nullptr;  // fprop/dgrad: token-grouped rows; wgrad: (G, N, K) fp32
+  bool wgrad_bf16 = false;  // wgrad: d is bf16 instead
   float beta = 0.0f;  // wgrad only: 1 adds into d (main_grad style)
   // fprop/dgrad of a fresh output: rows [rows.row[G], d_rows) of d (the
   // capacity tail, whose start is a device value) are zeroed by the launch

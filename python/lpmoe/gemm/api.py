@@ -2,10 +2,10 @@
 
 Backends
 --------
-``"grouped"``  lpmoe's sm_90 grouped kernels: its own FP8 block-scaled kernel
-    for FP8 fprop/dgrad (csrc/fp8_gemm), CUTLASS pointer-array kernels for
-    16-bit products, FP8 wgrad and what lpmoe's kernel cannot run (discrete
-    weights).  Group sizes are read on the GPU (the operands' device row
+``"grouped"``  lpmoe's sm_90 grouped kernels: its own FP8 block-scaled kernels
+    for FP8 fprop/dgrad and wgrad (csrc/fp8_gemm), CUTLASS pointer-array
+    kernels for 16-bit products and what lpmoe's kernels cannot run (discrete
+    weights, more groups than their tables hold).  Group sizes are read on the GPU (the operands' device row
     prefix sums; the CUTLASS paths' argument launch writes per-group
     pointers, shapes and strides into a persistent setup buffer), so a call
     never syncs with the host and can be captured in a CUDA graph and
@@ -22,9 +22,9 @@ Backends
     it cannot run the call: never a silent host sync).  Host splits
     (``m_splits`` given): the faster one as measured on H100
     (benchmarks/bench_grouped_gemm.py, docs/perf-notes.md): cuBLASLt for FP8
-    block products whose groups average >= 2048 tokens (3-10 % faster for
-    fprop/dgrad, up to 1.5x for wgrad), the grouped kernels otherwise (2-6x
-    faster for many small groups).
+    block products whose groups average >= 2048 tokens (0-10 % faster for
+    fprop/dgrad, wgrad within the noise of lpmoe's kernel since 2026-11-25),
+    the grouped kernels otherwise (1.5-7x faster for many small groups).
 
 Both backends write only the first ``sum(m_splits)`` rows of a caller's
 ``out``; a fresh output has its rows past the sum zeroed.  Two grouped GEMMs
@@ -50,7 +50,7 @@ from lpmoe.gemm.weight_operands import fp8_weight_operand, ptr_table
 from lpmoe.gemm.workspaces import gemm_workspace, setup_workspace, slot_for_kind
 from lpmoe.library.routing import OPS, tracing
 
-__all__ = ["grouped_gemm", "grouped_backend_support", "fp8_kernel_config", "fp8_kernel_key"]
+__all__ = ["grouped_gemm", "grouped_backend_support", "fp8_kernel_config", "fp8_wgrad_kernel_config", "fp8_kernel_key"]
 
 _BACKENDS = ("auto", "grouped", "cublas")
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,7 +59,8 @@ _KIND = {"fprop": 0, "dgrad": 1, "wgrad": 2}
 
 #: counts of backend launches, for tests that prove which path ran; FP8
 #: grouped calls also count the kernel that ran: "fp8_n<width>_c<cluster>"
-#: (lpmoe's block-scaled kernel, csrc/fp8_gemm) or "fp8_cutlass"; 16-bit
+#: (lpmoe's block-scaled fprop/dgrad kernel, csrc/fp8_gemm),
+#: "fp8_wgrad_n<width>_c<cluster>" (its wgrad kernel) or "fp8_cutlass"; 16-bit
 #: grouped calls count their tile's rows: "16bit_rows128" or "16bit_rows64"
 #: (fprop/dgrad of groups averaging <= 128 rows, csrc/gemm/heuristics16.h).
 #: "row_epilogue" counts the separate bias / capacity-tail launch (the grouped
@@ -67,12 +68,26 @@ _KIND = {"fprop": 0, "dgrad": 1, "wgrad": 2}
 CALLS = {"grouped": 0, "cublas": 0, "reference": 0, "fp8_cutlass": 0, "16bit_rows128": 0, "16bit_rows64": 0,
          "row_epilogue": 0}
 
-# FP8 fprop/dgrad kernel of the grouped backend, (tile width, cluster):
-# zeros = the shape heuristic's choice (csrc/fp8_gemm/heuristics.h); width
-# -1 = the CUTLASS kernel.  Set through fp8_kernel_config().
+# FP8 kernels of the grouped backend, (tile width, cluster): zeros = the
+# shape heuristic's choice (csrc/fp8_gemm/heuristics.h); width -1 = the
+# CUTLASS kernel.  fprop/dgrad and wgrad are pinned separately, through
+# fp8_kernel_config() and fp8_wgrad_kernel_config().
 _fp8_config = (0, 0)
-#: tile widths of lpmoe's FP8 kernel in this build (csrc/fp8_gemm/block_scaled.h)
+_fp8_wgrad_config = (0, 0)
+#: tile widths of lpmoe's FP8 fprop/dgrad kernel in this build (csrc/fp8_gemm/block_scaled.h)
 FP8_TILE_WIDTHS = (128, 160, 192)
+#: tile widths of lpmoe's FP8 wgrad kernel in this build (csrc/fp8_gemm/wgrad.h)
+FP8_WGRAD_TILE_WIDTHS = (128, 192)
+
+
+def _checked_config(name: str, width, cluster, widths):
+    for arg, v in (("width", width), ("cluster", cluster)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{arg} must be an int, got {type(v).__name__}")
+    if width not in (0, -1) + widths or cluster not in (0, 1, 2):
+        raise ValueError(f"{name}: width must be 0, -1 or one of {widths} and cluster 0, 1 or 2; "
+                         f"got width={width}, cluster={cluster}")
+    return width, cluster
 
 
 @contextlib.contextmanager
@@ -82,22 +97,33 @@ def fp8_kernel_config(width: int = 0, cluster: int = 0):
     tile width lpmoe's kernel is built with (128, 160, 192); ``cluster`` 0 =
     automatic, 1 or 2 CTAs (2 multicasts the weight tile).  Not thread-local."""
     global _fp8_config
-    for name, v in (("width", width), ("cluster", cluster)):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if width not in (0, -1) + FP8_TILE_WIDTHS or cluster not in (0, 1, 2):
-        raise ValueError(f"fp8_kernel_config: width must be 0, -1 or one of {FP8_TILE_WIDTHS} and cluster 0, 1 or 2; "
-                         f"got width={width}, cluster={cluster}")
-    old, _fp8_config = _fp8_config, (width, cluster)
+    old, _fp8_config = _fp8_config, _checked_config("fp8_kernel_config", width, cluster, FP8_TILE_WIDTHS)
     try:
         yield
     finally:
         _fp8_config = old
 
 
-def fp8_kernel_key(width: int, cluster: int) -> str:
-    """CALLS key of a kernel configuration."""
-    return "fp8_cutlass" if width < 0 else f"fp8_n{width}_c{cluster}"
+@contextlib.contextmanager
+def fp8_wgrad_kernel_config(width: int = 0, cluster: int = 0):
+    """Pin the grouped backend's FP8 wgrad kernel inside the block, as
+    :func:`fp8_kernel_config` does for fprop/dgrad: ``width`` 0 = automatic,
+    -1 = the CUTLASS kernel, or one of 128, 192; ``cluster`` 0, 1 or 2 (2
+    multicasts the x^T tile).  Not thread-local."""
+    global _fp8_wgrad_config
+    old = _fp8_wgrad_config
+    _fp8_wgrad_config = _checked_config("fp8_wgrad_kernel_config", width, cluster, FP8_WGRAD_TILE_WIDTHS)
+    try:
+        yield
+    finally:
+        _fp8_wgrad_config = old
+
+
+def fp8_kernel_key(width: int, cluster: int, kind: str = "fprop") -> str:
+    """CALLS key of a kernel configuration ("fp8_wgrad_n<w>_c<c>" for lpmoe's wgrad kernel)."""
+    if width < 0:
+        return "fp8_cutlass"
+    return f"fp8_wgrad_n{width}_c{cluster}" if kind == "wgrad" else f"fp8_n{width}_c{cluster}"
 
 
 def _out_cols(ops: GemmOperands) -> int:
@@ -312,8 +338,10 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool, zero_ta
     setup = setup_workspace(ops.device, g)
     width, cluster = ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member,
                                                 b_scale, b_scale_member, target, a.padded_row_offsets, g, n, k,
-                                                1.0 if accumulate else 0.0, setup, ws, *_fp8_config, zero_tail)
-    key = fp8_kernel_key(width, cluster) if ops.fp8 else f"16bit_rows{width}"
+                                                1.0 if accumulate else 0.0, setup, ws,
+                                                *(_fp8_wgrad_config if ops.kind == "wgrad" else _fp8_config),
+                                                zero_tail)
+    key = fp8_kernel_key(width, cluster, ops.kind) if ops.fp8 else f"16bit_rows{width}"
     CALLS[key] = CALLS.get(key, 0) + 1
     if target is not out:
         out.copy_(target)

@@ -1,0 +1,88 @@
+// Host side of the wgrad kernel: template maps, configuration, the map
+// launch and the GEMM launch.  No device value is read (capturable).
+#include <climits>
+
+#include "fp8_gemm/heuristics.h"
+#include "fp8_gemm/tensor_map.h"
+#include "fp8_gemm/wgrad.h"
+
+namespace lpmoe {
+namespace fp8_gemm {
+
+namespace {
+
+template <int BlockN>
+bool wgrad_fits(int num_groups) {
+  return num_groups >= 1 && num_groups <= WgradLayout<BlockN>::max_groups();
+}
+
+template <int BlockN>
+cudaError_t launch_width(int cluster, const WgradParams& p, int grid, cudaStream_t stream) {
+  return cluster == 2 ? launch_wgrad<BlockN, 2>(p, grid, stream) : launch_wgrad<BlockN, 1>(p, grid, stream);
+}
+
+}  // namespace
+
+bool wgrad_supports(BlockScaledConfig cfg, int num_groups) {
+  if (cfg.cluster != 0 && cfg.cluster != 1 && cfg.cluster != 2) return false;
+  switch (cfg.block_n) {
+    case 0: return wgrad_fits<128>(num_groups) && wgrad_fits<192>(num_groups);
+    case 128: return wgrad_fits<128>(num_groups);
+    case 192: return wgrad_fits<192>(num_groups);
+    default: return false;
+  }
+}
+
+cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran) {
+  *ran = BlockScaledConfig{};
+  if (args.kind != gemm::GemmKind::kWgrad || (args.beta != 0.0f && args.beta != 1.0f)) return cudaErrorNotSupported;
+  const int g = args.num_groups;
+  const BlockScaledConfig pick = choose_wgrad_config(args.n, args.k);
+  if (cfg.block_n == 0) cfg.block_n = pick.block_n;
+  if (cfg.cluster == 0) cfg.cluster = pick.cluster;
+  if (!wgrad_supports(cfg, g)) return cudaErrorNotSupported;
+  if (args.n > INT_MAX || args.k > INT_MAX || args.n % 16 != 0 || args.k % 16 != 0) return cudaErrorNotSupported;
+  const int64_t m_tiles = (args.n + kBlockM * cfg.cluster - 1) / (kBlockM * cfg.cluster);
+  const int64_t n_tiles = (args.k + cfg.block_n - 1) / cfg.block_n;
+  if (m_tiles * n_tiles * g > INT_MAX / 2) return cudaErrorNotSupported;
+  // The maps live at the start of the caller's workspace, 128-byte aligned.
+  const uintptr_t ws = reinterpret_cast<uintptr_t>(args.workspace);
+  const uintptr_t maps = (ws + 127) / 128 * 128;
+  if (args.workspace == nullptr || maps - ws + 2 * size_t(g) * sizeof(CUtensorMap) > args.workspace_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  // Templates: one 128-token block of dy^T (N rows) and x^T (K rows); the
+  // device patches base, token extent and stride per member.
+  CUtensorMap a_template, b_template;
+  if (!encode_kmajor_fp8_map(&a_template, 2, args.a, kBlockK, args.n, kBlockK, 1, 0, kBlockM) ||
+      !encode_kmajor_fp8_map(&b_template, 2, args.b, kBlockK, args.k, kBlockK, 1, 0,
+                             static_cast<uint32_t>(cfg.block_n / cfg.cluster))) {
+    return cudaErrorNotSupported;
+  }
+  WgradParams p;
+  p.pad128 = args.rows.pad128;
+  p.num_groups = g;
+  p.n_rows = static_cast<int>(args.n);
+  p.k_cols = static_cast<int>(args.k);
+  p.a_scale = args.a_scale;
+  p.b_scale = args.b_scale;
+  p.maps = reinterpret_cast<const CUtensorMap*>(maps);
+  p.d = args.d;
+  p.out_bf16 = args.wgrad_bf16 ? 1 : 0;
+  p.accumulate = args.beta != 0.0f ? 1 : 0;
+  if (!p.out_bf16 && !encode_fp32_rows_map(&p.out_map, args.d, args.k, args.n, g, kWgradBoxCols, 16)) {
+    return cudaErrorNotSupported;
+  }
+  cudaError_t st = launch_wgrad_maps(a_template, b_template, args.a, args.b, p, args.stream);
+  if (st != cudaSuccess) return st;
+  const int64_t sm_ctas = args.sm_count / cfg.cluster * cfg.cluster;
+  const int64_t max_ctas = m_tiles * n_tiles * g * cfg.cluster;
+  const int grid = static_cast<int>(max_ctas < sm_ctas ? max_ctas : sm_ctas);
+  st = cfg.block_n == 128 ? launch_width<128>(cfg.cluster, p, grid, args.stream)
+                          : launch_width<192>(cfg.cluster, p, grid, args.stream);
+  if (st == cudaSuccess) *ran = cfg;
+  return st;
+}
+
+}  // namespace fp8_gemm
+}  // namespace lpmoe

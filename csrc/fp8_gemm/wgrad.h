@@ -1,0 +1,97 @@
+// lpmoe's own FP8 block-scaled grouped GEMM for the weight gradient:
+//
+//   dW_t (N x K) = dy_t^T x_t,  both operands 1x128-scaled along the tokens
+//
+// read from the columnwise (transposed, per member 128-padded) copies of dy
+// and x.  Parameters, shared-memory plan and launcher API (plain C++); the
+// kernel is in wgrad_kernel.cuh.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fp8_gemm/block_scaled.h"
+#include "gemm/grouped_gemm.h"
+
+namespace lpmoe {
+namespace fp8_gemm {
+
+struct WgradParams {
+  const int64_t* pad128 = nullptr;  // G+1 prefix sums of round_up(M_t, 128)
+  int num_groups = 0;
+  int n_rows = 0;  // N: dW rows (dy's columns)
+  int k_cols = 0;  // K: dW columns (x's columns)
+  // The 1x128 scales of the columnwise copies: member t at
+  // round_up(dim, 4) * pad128[t] / 128, laid out (M_t / 128 blocks, round_up(dim, 4)).
+  const float* a_scale = nullptr;  // dy's, dim = N
+  const float* b_scale = nullptr;  // x's, dim = K
+  // Per-member TMA maps written on the device before the GEMM (the members'
+  // token counts, hence their row strides, are device values): A of member t
+  // at maps[2t], B at maps[2t + 1].
+  const CUtensorMap* maps = nullptr;
+  void* d = nullptr;  // (G, N, K), fp32 or bf16
+  int out_bf16 = 0;
+  int accumulate = 0;  // d += dy^T x (an empty member then leaves d alone)
+  // fp32 output: a map over d as (K, N, G) with (32 x 16) boxes, 128-byte
+  // swizzle; the epilogue stores (or reduce-adds) through it.
+  CUtensorMap out_map{};
+};
+
+// fp32 epilogue box of one math warp: its 16 rows x 32 columns (128-byte rows).
+constexpr int kWgradBoxCols = 32;
+constexpr int kWgradStagingBytes = 16 * kWgradBoxCols * 4;
+static_assert(kWgradStagingBytes >= kEpilogueWarpBytes, "the bf16 staging tile fits the same buffer");
+
+template <int BlockN>
+struct WgradLayout {
+  static_assert(BlockN % 16 == 0 && BlockN <= 256, "wgmma N");
+  static constexpr int kABytes = kBlockM * kRowBytes;
+  static constexpr int kBBytes = BlockN * kRowBytes;
+  static constexpr int kStageBytes = kABytes + kBBytes;  // TMA tiles (multiples of 1024 bytes)
+  static_assert(kStageBytes % 1024 == 0, "128-byte swizzled tiles need 1024-byte aligned stages");
+  // A stage's scales: one per tile row (dy) and one per tile column (x).
+  static constexpr int kScaleStageBytes = (kBlockM + BlockN) * 4;
+  // Output staging, one buffer per math warp (1024-byte aligned: the fp32
+  // boxes are 128-byte swizzled): 16 rows x 32 fp32 for the TMA epilogue, or
+  // the bf16 path's kEpilogueWarpBytes.
+  static constexpr int kStagingWarpBytes = kWgradStagingBytes;
+  static constexpr int kEpilogueBytes = 8 * kStagingWarpBytes;
+  static constexpr int kStages =
+      (kSmemLimit - 1024 - kEpilogueBytes - 2048) / (kStageBytes + kScaleStageBytes);
+  static_assert(kStages >= 3, "too few stages");
+  static constexpr int kEpilogueOffset = kStages * kStageBytes;
+  static constexpr int kScaleOffset = kEpilogueOffset + kEpilogueBytes;
+  static constexpr int kBarOffset = kScaleOffset + kStages * kScaleStageBytes;
+  static constexpr int kTableOffset = kBarOffset + 2 * kStages * 8;
+  // The table: each member's first 128-token block (G+1 ints).
+  static constexpr size_t smem_bytes(int groups) { return 1024 + kTableOffset + 4 * (size_t(groups) + 1); }
+  static constexpr int max_groups() { return (kSmemLimit - 1024 - kTableOffset) / 4 - 1; }
+};
+
+// Tile widths this build instantiates for wgrad (clusters 1 and 2).
+constexpr int kWgradBlockNs[] = {128, 192};
+
+// Bytes of per-member map workspace the wgrad kernel needs.
+inline size_t wgrad_map_bytes(int num_groups) { return 128 + 2 * size_t(num_groups) * sizeof(CUtensorMap); }
+
+template <int BlockN, int Cluster>
+cudaError_t launch_wgrad(const WgradParams& p, int grid, cudaStream_t stream);
+
+// Writes the per-member maps of `p` from the two templates (whose box,
+// swizzle and outer dims are final; the token dim, its stride and the base
+// are patched per member).
+cudaError_t launch_wgrad_maps(const CUtensorMap& a_template, const CUtensorMap& b_template, const void* a,
+                              const void* b, const WgradParams& p, cudaStream_t stream);
+
+bool wgrad_supports(BlockScaledConfig cfg, int num_groups);
+
+// wgrad with the given configuration (zeros: the heuristic's choice);
+// cudaErrorNotSupported when the call does not fit (the binding then runs the
+// CUTLASS kernel).  *ran = the configuration that ran.
+cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran);
+
+}  // namespace fp8_gemm
+}  // namespace lpmoe

@@ -1,0 +1,303 @@
+// FP8 block-scaled grouped GEMM for the weight gradient (wgrad.h):
+//
+//   dW_t[n, k] = sum_kb  sA[n, kb] * sB[k, kb] * sum_{tokens in kb} dy_t[tok, n] x_t[tok, k]
+//
+// The contraction runs over a member's tokens, so both operands carry a scale
+// per row *and* per 128-token block: the promotion multiplies each fragment by
+// a row scale and a column scale (two fp32 ops per value instead of fprop's
+// one).  The skeleton is the fprop kernel's (kernel_1x128_128x128.cuh): one
+// CTA per SM, a TMA producer warpgroup, two math warpgroups of 64 rows,
+// optional 2-CTA cluster that multicasts the x^T tile.  What differs:
+// * Operand maps are per member (the columnwise copies store member t as an
+//   (N or K) x round_up(M_t, 128) block whose row stride is a device value);
+//   a small launch writes them before this kernel (wgrad_maps.cu) and the
+//   producer acquires a member's maps when it reaches the member.
+// * Both scale vectors of a K-block (128 row scales of dy, BlockN column
+//   scales of x) are contiguous runs, bulk-copied into the stage with the
+//   tiles; the math warps read them after the wgmmas and release the stage
+//   after the promotion.
+// * Every member has the same tiles, with a member-dependent number of
+//   K-blocks; an empty member's tiles store zeros (or leave an accumulated
+//   output alone), so no separate zeroing launch exists.
+// * The fp32 epilogue goes out through TMA stores (reduce-adds when
+//   accumulating) of per-warp 16 x 32 boxes; bf16 through the per-warp
+//   staging tile and 16-byte stores as in fprop.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "fp8_gemm/sm90_primitives.cuh"
+#include "fp8_gemm/tile_scheduler.cuh"
+#include "fp8_gemm/wgrad.h"
+
+namespace lpmoe {
+namespace fp8_gemm {
+
+constexpr int kWgradProducerRegs = 56;
+constexpr int kWgradMathRegs = 224;
+
+// res += acc * sa_row * sb_col for one K-block.  `sb` points at this
+// thread's first column pair in the stage's column scales.
+template <int BlockN>
+__device__ __forceinline__ void promote_outer(float* res, const float* acc, float sa0, float sa1, const float* sb) {
+#pragma unroll
+  for (int j = 0; j < BlockN / 8; ++j) {
+    const float2 s = *reinterpret_cast<const float2*>(sb + 8 * j);
+    res[4 * j + 0] = fmaf(acc[4 * j + 0], sa0 * s.x, res[4 * j + 0]);
+    res[4 * j + 1] = fmaf(acc[4 * j + 1], sa0 * s.y, res[4 * j + 1]);
+    res[4 * j + 2] = fmaf(acc[4 * j + 2], sa1 * s.x, res[4 * j + 2]);
+    res[4 * j + 3] = fmaf(acc[4 * j + 3], sa1 * s.y, res[4 * j + 3]);
+  }
+}
+
+// fp32 output through the TMA unit: the warp writes its 16 rows x 32
+// columns into its staging box (128-byte swizzled rows: the fragment's
+// 8-byte writes from 8 rows land in distinct banks), and one lane hands the
+// box to a bulk tensor store, or to a bulk reduce-add for accumulation
+// (the add happens in L2: no load round trip on the math warps' path, and
+// the math warps go on to the next tile while the box drains).  The map
+// clips rows past N and columns past K.
+template <int BlockN>
+__device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float* res, int group, int warp_row0,
+                                               int tile_col0, int lane, uint8_t* box, bool accumulate) {
+  const int r = lane / 4;
+#pragma unroll
+  for (int c = 0; c < BlockN / kWgradBoxCols; ++c) {
+    // The previous box (of this tile or the last) has been read out.
+    if (lane == 0) cute::tma_store_wait<0>();
+    __syncwarp();
+#pragma unroll
+    for (int jj = 0; jj < kWgradBoxCols / 8; ++jj) {
+      const int j = c * (kWgradBoxCols / 8) + jj;
+      const int chunk = 2 * jj + (lane % 4) / 2;  // 16-byte chunk of the 128-byte row
+      const int off = ((chunk ^ r) * 16) + (lane % 2) * 8;
+      *reinterpret_cast<float2*>(box + r * 128 + off) = make_float2(res[4 * j], res[4 * j + 1]);
+      *reinterpret_cast<float2*>(box + (r + 8) * 128 + off) = make_float2(res[4 * j + 2], res[4 * j + 3]);
+    }
+    cute::tma_store_fence();  // generic-proxy writes visible to the bulk copy
+    __syncwarp();
+    if (lane == 0) {
+      const int col = tile_col0 + c * kWgradBoxCols;
+      if (accumulate) {
+        cute::SM90_TMA_REDUCE_ADD_3D::copy(&p.out_map, box, col, warp_row0, group);
+      } else {
+        cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, col, warp_row0, group);
+      }
+      cute::tma_store_arrive();
+    }
+  }
+}
+
+// bf16 output through the warp's staging tile (rows of kEpilogueRowBytes):
+// kEpilogueCols columns per pass, one 16-byte piece per lane.  Accumulation
+// adds the old bf16 values in fp32 before the single rounding.
+template <int BlockN>
+__device__ __forceinline__ void store_bf16(const WgradParams& p, __nv_bfloat16* d, const float* res, int warp_row0,
+                                           int tile_col0, int lane, uint8_t* stage_out, bool accumulate) {
+  const int col_in_frag = 2 * (lane % 4);
+  const int frag_row = warp_row0 + lane / 4;
+#pragma unroll
+  for (int cc = 0; cc < BlockN / kEpilogueCols; ++cc) {
+#pragma unroll
+    for (int jj = 0; jj < kEpilogueCols / 8; ++jj) {
+      const int j = cc * (kEpilogueCols / 8) + jj;
+      float v[4] = {res[4 * j], res[4 * j + 1], res[4 * j + 2], res[4 * j + 3]};
+      if (accumulate) {
+        const int col = tile_col0 + 8 * j + col_in_frag;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = frag_row + 8 * half;
+          if (r < p.n_rows && col < p.k_cols) {
+            const float2 old =
+                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d + int64_t(r) * p.k_cols + col));
+            v[2 * half] += old.x;
+            v[2 * half + 1] += old.y;
+          }
+        }
+      }
+      uint8_t* at = stage_out + (lane / 4) * kEpilogueRowBytes + 16 * jj + 2 * col_in_frag;
+      *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v[0], v[1]);
+      *reinterpret_cast<__nv_bfloat162*>(at + 8 * kEpilogueRowBytes) = __floats2bfloat162_rn(v[2], v[3]);
+    }
+    __syncwarp();
+    const uint4 piece = *reinterpret_cast<const uint4*>(stage_out + (lane / 2) * kEpilogueRowBytes + 16 * (lane % 2));
+    const int row = warp_row0 + lane / 2;
+    const int col = tile_col0 + cc * kEpilogueCols + 8 * (lane % 2);
+    if (row < p.n_rows && col < p.k_cols) *reinterpret_cast<uint4*>(d + int64_t(row) * p.k_cols + col) = piece;
+    __syncwarp();  // every lane has read before the next pass overwrites
+  }
+}
+
+template <int BlockN, int Cluster>
+__device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTileOrder<kBandRowTiles / Cluster>& order,
+                                           const int* first_block, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                           int rank, int first_tile, int tile_step, int total) {
+#if LPMOE_SM90A_DEVICE
+  using L = WgradLayout<BlockN>;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int wg = warp_uniform(threadIdx.x / 128);
+  cutlass::arch::warpgroup_reg_alloc<kWgradMathRegs>();
+  // Fragment of a 64 x BlockN wgmma tile: thread (warp w, lane l) holds rows
+  // 16w + l/4 and +8, columns 8j + 2(l%4) + {0,1}.
+  const int w_in_wg = warp % 4;
+  const int row_in_tile = wg * 64 + w_in_wg * 16 + lane / 4;
+  const int col_in_frag = 2 * (lane % 4);
+  uint8_t* stage_out = smem + L::kEpilogueOffset + warp * L::kStagingWarpBytes;
+  float acc[BlockN / 2];
+  float res[BlockN / 2];
+  RingPos<L::kStages> pos;
+  for (int tile = first_tile; tile < total; tile += tile_step) {
+    const WgradTile t = order.locate(tile);
+    const int nkb = first_block[t.group + 1] - first_block[t.group];
+    if (nkb == 0 && p.accumulate) continue;  // nothing to add
+    const int n0 = (t.m_block * Cluster + rank) * kBlockM;
+    const int k0 = t.n_block * BlockN;
+#pragma unroll
+    for (int i = 0; i < BlockN / 2; ++i) res[i] = 0.0f;
+
+    for (int kb = 0; kb < nkb; ++kb) {
+      Barrier::wait(&full[pos.stage], pos.phase);
+      const uint8_t* st = smem + pos.stage * L::kStageBytes;
+      const float* sc = reinterpret_cast<const float*>(smem + L::kScaleOffset + pos.stage * L::kScaleStageBytes);
+      // Row scales past N are stale and their rows dropped; likewise columns.
+      const float sa0 = sc[row_in_tile], sa1 = sc[row_in_tile + 8];
+      const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
+      const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
+#pragma unroll
+      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < kBlockK / kWgmmaK; ++ks) {
+        wgmma_fp8<BlockN>(advance_k(da, ks), advance_k(db, ks), acc, ks > 0);
+      }
+      cute::warpgroup_commit_batch();
+#pragma unroll
+      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      promote_outer<BlockN>(res, acc, sa0, sa1, sc + kBlockM + col_in_frag);
+      // The stage's tiles and scales are read: hand it back (to both CTAs'
+      // producers with a cluster: the x^T tile came from both).
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < Cluster; ++r) {
+          if constexpr (Cluster == 1) {
+            Barrier::arrive(&empty[pos.stage]);
+          } else {
+            Barrier::arrive(&empty[pos.stage], r, 1u);
+          }
+        }
+      }
+      pos.next();
+    }
+
+    const int64_t member = int64_t(t.group) * p.n_rows * p.k_cols;
+    const int warp_row0 = n0 + wg * 64 + w_in_wg * 16;
+    if (p.out_bf16) {
+      store_bf16<BlockN>(p, static_cast<__nv_bfloat16*>(p.d) + member, res, warp_row0, k0, lane, stage_out,
+                         p.accumulate != 0);
+    } else {
+      store_fp32_tma<BlockN>(p, res, t.group, warp_row0, k0, lane, stage_out, p.accumulate != 0);
+    }
+  }
+  if (lane == 0) cute::tma_store_wait<0>();  // the last boxes are read before the CTA's memory goes
+#endif
+}
+
+template <int BlockN, int Cluster>
+__global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_constant__ WgradParams p) {
+#if LPMOE_SM90A_DEVICE
+  using L = WgradLayout<BlockN>;
+  constexpr int kStages = L::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (cute::cast_smem_ptr_to_uint(smem_raw) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarOffset);
+  uint64_t* empty = full + kStages;
+  int* first_block = reinterpret_cast<int*>(smem + L::kTableOffset);  // member t's first 128-token block
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int wg = warp_uniform(threadIdx.x / 128);
+  static_assert(Cluster == 1 || Cluster == 2, "cluster of 1 or 2 CTAs along N");
+  const int rank = Cluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], 8 * Cluster);  // one arrive per math warp of each CTA
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  if (warp == 0) {
+    for (int g = lane; g <= p.num_groups; g += 32) first_block[g] = static_cast<int>(p.pad128[g] / kBlockK);
+  }
+  __syncthreads();
+  if constexpr (Cluster > 1) cute::cluster_sync();  // partner's barriers exist before any multicast
+
+  const WgradTileOrder<kBandRowTiles / Cluster> order{(p.n_rows + kBlockM * Cluster - 1) / (kBlockM * Cluster),
+                                                       (p.k_cols + BlockN - 1) / BlockN};
+  const int total = order.per_member() * p.num_groups;
+  const int first_tile = blockIdx.x / Cluster;
+  const int tile_step = gridDim.x / Cluster;
+
+  if (wg == 2) {
+    cutlass::arch::warpgroup_reg_dealloc<kWgradProducerRegs>();
+    if (threadIdx.x == 256) {
+      constexpr int kBRows = BlockN / Cluster;  // x^T rows this CTA loads (and multicasts)
+      const int64_t a_ld = (p.n_rows + 3) / 4 * 4;
+      const int64_t b_ld = (p.k_cols + 3) / 4 * 4;
+      int member = -1;
+      RingPos<kStages> pos;
+      for (int tile = first_tile; tile < total; tile += tile_step) {
+        const WgradTile t = order.locate(tile);
+        const int kb0 = first_block[t.group];
+        const int nkb = first_block[t.group + 1] - kb0;
+        if (nkb == 0) continue;
+        const CUtensorMap* map_a = p.maps + 2 * t.group;
+        const CUtensorMap* map_b = map_a + 1;
+        if (t.group != member) {
+          // The maps were written by the previous launch through the generic
+          // proxy; the TMA unit must not use a stale cached copy.
+          asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map_a) : "memory");
+          asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map_b) : "memory");
+          member = t.group;
+        }
+        const int n0 = (t.m_block * Cluster + rank) * kBlockM;
+        const int k0 = t.n_block * BlockN;
+        // Scale runs: this tile's rows of dy and columns of x, in whole
+        // 16-byte units inside the padded (round_up(dim, 4)) layouts.
+        const uint32_t sa_bytes = n0 < p.n_rows ? static_cast<uint32_t>((min(kBlockM, p.n_rows - n0) + 3) / 4 * 16) : 0u;
+        const uint32_t sb_bytes = static_cast<uint32_t>((min(BlockN, p.k_cols - k0) + 3) / 4 * 16);
+        const float* as = p.a_scale + a_ld * kb0 + n0;
+        const float* bs = p.b_scale + b_ld * kb0 + k0;
+        for (int kb = 0; kb < nkb; ++kb) {
+          Barrier::wait(&empty[pos.stage], pos.phase ^ 1u);
+          uint8_t* st = smem + pos.stage * L::kStageBytes;
+          uint8_t* sc = smem + L::kScaleOffset + pos.stage * L::kScaleStageBytes;
+          TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes + sb_bytes);
+          tma_load_2d(map_a, &full[pos.stage], st, kb * kBlockK, n0);
+          if (sa_bytes != 0) bulk_load(&full[pos.stage], sc, as + kb * a_ld, sa_bytes);
+          bulk_load(&full[pos.stage], sc + kBlockM * 4, bs + kb * b_ld, sb_bytes);
+          uint8_t* sb = st + L::kABytes + rank * kBRows * kRowBytes;
+          if constexpr (Cluster == 1) {
+            tma_load_2d(map_b, &full[pos.stage], sb, kb * kBlockK, k0);
+          } else {
+            tma_load_2d_multicast(map_b, &full[pos.stage], (1u << Cluster) - 1u, sb, kb * kBlockK, k0 + rank * kBRows);
+          }
+          pos.next();
+        }
+      }
+    }
+  } else {
+    wgrad_math<BlockN, Cluster>(p, order, first_block, smem, full, empty, rank, first_tile, tile_step, total);
+  }
+  if constexpr (Cluster > 1) cute::cluster_sync();
+#else
+  __trap();
+#endif
+}
+
+}  // namespace fp8_gemm
+}  // namespace lpmoe
