@@ -113,9 +113,68 @@ def test_gpu_wgrad_configs_agree_bitwise():
         assert torch.equal(o, outs[0])
 
 
+@requires_cuda
+def test_gpu_wgrad_widths_agree_bitwise_in_bf16():
+    splits = [300, 0, 77, 512]
+    dyg, xg, _, _ = _case(splits, 512, 640, seed=6)
+    outs = []
+    for config in CONFIGS[:-1]:
+        with fp8_wgrad_kernel_config(*config):
+            outs.append(lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.bfloat16, backend="grouped"))
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+@requires_cuda
+@pytest.mark.parametrize("acc", [False, True])
+def test_gpu_wgrad_no_tokens_at_all(acc):
+    """Zero token rows in every member: a fresh output becomes zeros, an
+    accumulated one stays as it was, through lpmoe's kernel."""
+    g, n, k = 3, 256, 384
+    first = torch.zeros(g, dtype=torch.int64, device="cuda")
+    dyg = lpmoe.group_quantize(torch.empty(0, n, device="cuda").bfloat16(), Q1, num_tensors=g, first_dims=first)
+    xg = lpmoe.group_quantize(torch.empty(0, k, device="cuda").bfloat16(), Q1, num_tensors=g, first_dims=first)
+    base = torch.randn(g, n, k, device="cuda")
+    d = base.clone() if acc else torch.full((g, n, k), float("nan"), device="cuda")
+    from lpmoe._ext import ext
+    key = fp8_kernel_key(*ext().fp8_wgrad_choice(n, k), kind="wgrad")
+    before = CALLS.get(key, 0)
+    lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=d, accumulate=acc, backend="grouped")
+    assert CALLS[key] == before + 1
+    assert torch.equal(d, base) if acc else bool((d == 0).all())
+
+
+@requires_cuda
+def test_gpu_wgrad_group_count_limits():
+    """Past the width-192 member table (939 groups) the automatic choice
+    takes width 128 (3047); past that the CUTLASS kernel runs; a pinned width
+    whose table is too small is refused clearly."""
+    n, k = 128, 384  # the cost model prefers 192 here
+    from lpmoe._ext import ext
+    assert tuple(ext().fp8_wgrad_choice(n, k)) == (192, 1)
+    for g, key in ((1000, fp8_kernel_key(128, 1, kind="wgrad")), (3100, "fp8_cutlass")):
+        splits = [0] * g
+        for t in range(0, g, g // 7):
+            splits[t] = 3 + t % 130
+        dyg, xg, dy, x = _case(splits, n, k, seed=g)
+        before = CALLS.get(key, 0)
+        d = lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped")
+        assert CALLS[key] == before + 1
+        used = [t for t, m in enumerate(splits) if m]
+        ref, mag = _reference(dyg, xg, dy, x, splits)
+        _assert_close(d[used], ref[used], mag[used], False)
+        assert bool((d[[t for t, m in enumerate(splits) if not m]] == 0).all())
+    with pytest.raises(ValueError, match=r"wgrad kernel config \(width 192, cluster 1\) does not exist in this build "
+                                         r"for 1000 groups"):
+        with fp8_wgrad_kernel_config(192, 1):
+            dyg, xg, _, _ = _case([1] * 1000, n, k, seed=1)
+            lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped")
+
+
 def test_wgrad_heuristic_choices():
     from lpmoe._ext import ext
-    # cluster 1 everywhere (measured at or above cluster 2); the width by the cost model over K
+    # cluster 1 everywhere (ahead of cluster 2 on 8-group shapes, within noise elsewhere);
+    # the width by the cost model over K
     assert tuple(ext().fp8_wgrad_choice(4096, 7168)) == (192, 1)  # DeepSeek-V3 fc1
     assert tuple(ext().fp8_wgrad_choice(7168, 2048)) == (192, 1)  # fc2
     assert tuple(ext().fp8_wgrad_choice(128, 1024)) == (128, 1)  # 8 x 128 columns beat 6 x 192

@@ -55,7 +55,7 @@ std::tuple<int64_t, int64_t> fp8_block_scaled_choice(int64_t a_rows, int64_t num
 
 std::tuple<int64_t, int64_t> fp8_wgrad_choice(int64_t n, int64_t k) {
   TORCH_CHECK(n >= 1 && k >= 1, "lpmoe: fp8_wgrad_choice needs n >= 1 and k >= 1");
-  const auto c = fp8_gemm::choose_wgrad_config(n, k);
+  const auto c = fp8_gemm::choose_wgrad_config(k);  // the choice depends on K only
   return {c.block_n, c.cluster};
 }
 
@@ -94,6 +94,11 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
               "lpmoe: setup workspace too small");
   const bool fp8 = fmt == kFP8;
   TORCH_CHECK(fmt == kBF16 || fmt == kFP16 || fp8, "lpmoe: grouped backend supports bf16, fp16 and FP8 block");
+  TORCH_CHECK(!fp8 || gk != gemm::GemmKind::kWgrad ||
+                  workspace.nbytes() >= fp8_gemm::wgrad_map_bytes(static_cast<int>(num_groups)),
+              "lpmoe: workspace too small for the FP8 wgrad kernel's per-member TMA maps (", num_groups,
+              " groups need ", fp8_gemm::wgrad_map_bytes(static_cast<int>(num_groups)), " bytes, got ",
+              workspace.nbytes(), ")");
   if (fp8) {
     TORCH_CHECK(a_scale.has_value() && b_scale.has_value(), "lpmoe: FP8 operands need their scales");
     check_operand(*a_scale, a, "a scales");
@@ -158,7 +163,9 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
     st = gk == gemm::GemmKind::kWgrad ? fp8_gemm::run_wgrad(args, want, &ran)
                                       : fp8_gemm::run_block_scaled(args, a_rows, want, &ran);
     if (st == cudaErrorNotSupported && forced) {
-      throw std::invalid_argument("lpmoe: the FP8 block-scaled kernel cannot run this call with config (width " +
+      throw std::invalid_argument(std::string("lpmoe: the FP8 block-scaled ") +
+                                  (gk == gemm::GemmKind::kWgrad ? "wgrad" : "fprop/dgrad") +
+                                  " kernel cannot run this call with config (width " +
                                   std::to_string(fp8_width) + ", cluster " + std::to_string(fp8_cluster) + ")");
     }
   }

@@ -65,12 +65,11 @@ inline BlockScaledConfig choose_config(int64_t a_rows, int num_groups, int64_t n
 // tiles, thousands of them on real shapes, so waves do not matter; the width
 // minimises the columns computed plus the per-tile overhead over K.  Cluster
 // 1: on the H100 (benchmarks/bench_fp8_wgrad_configs.py, two runs,
-// docs/fp8-gemm-kernel-notes.md) n192c1 was at or above n192c2 on all eight
-// shapes (e.g. DeepSeek-V3 up 918 vs 858 TFLOP/s with the TMA epilogue),
-// unlike fprop/dgrad, where the multicast relieved L2; cluster 2 stays
-// available for pinning.
-inline BlockScaledConfig choose_wgrad_config(int64_t n_rows, int64_t k_cols) {
-  (void)n_rows;
+// docs/fp8-wgrad-kernel-notes.md) n192c1 beat n192c2 by 3-9 % on the four
+// 8-group shapes and was within -3 % to +5 % of it on the other four, unlike
+// fprop/dgrad, where the multicast relieved L2; cluster 2 stays available
+// for pinning.
+inline BlockScaledConfig choose_wgrad_config(int64_t k_cols) {
   BlockScaledConfig c;
   c.cluster = 1;
   double best_cost = 0.0;

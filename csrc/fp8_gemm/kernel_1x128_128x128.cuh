@@ -34,14 +34,12 @@
 #include <cuda_bf16.h>
 
 #include "fp8_gemm/block_scaled.h"
+#include "fp8_gemm/math_warpgroup.cuh"
 #include "fp8_gemm/sm90_primitives.cuh"
 #include "fp8_gemm/tile_scheduler.cuh"
 
 namespace lpmoe {
 namespace fp8_gemm {
-
-constexpr int kProducerRegs = 56;
-constexpr int kMathRegs = 224;
 
 // res += acc * scale, per 8-column fragment j: rows r / r+8 take s?0 before
 // tile column Split (first column of the second weight-scale block) and s?1
@@ -154,31 +152,9 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
       const float sb0 = sb[kb], sb1 = sb[nkb + kb];
       const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
       const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
-#pragma unroll
-      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int ks = 0; ks < kBlockK / kWgmmaK; ++ks) {
-        wgmma_fp8<BlockN>(advance_k(da, ks), advance_k(db, ks), acc, ks > 0);
-      }
-      cute::warpgroup_commit_batch();
-#pragma unroll
-      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-      cute::warpgroup_wait<0>();
-#pragma unroll
-      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      kblock_wgmma<BlockN>(da, db, acc);
       // This warp's wgmmas have read the stage: hand it back to the producer.
-      __syncwarp();
-      if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < Cluster; ++r) {
-          if constexpr (Cluster == 1) {
-            Barrier::arrive(&empty[pos.stage]);
-          } else {
-            Barrier::arrive(&empty[pos.stage], r, 1u);
-          }
-        }
-      }
+      release_stage<Cluster>(&empty[pos.stage], lane);
       promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
       pos.next();
     }

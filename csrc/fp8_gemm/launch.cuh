@@ -2,6 +2,7 @@
 // instantiate it once per tile width (compile time stays per file).
 #pragma once
 
+#include "fp8_gemm/cluster_launch.h"
 #include "fp8_gemm/kernel_1x128_128x128.cuh"
 
 namespace lpmoe {
@@ -10,25 +11,8 @@ namespace fp8_gemm {
 template <int BlockN, int Cluster>
 cudaError_t launch_block_scaled(const CUtensorMap& a, const CUtensorMap& b, const BlockScaledParams& p, int grid,
                                 cudaStream_t stream) {
-  using L = BlockScaledLayout<BlockN>;
-  auto kernel = fp8_block_scaled_grouped_kernel<BlockN, Cluster>;
-  const size_t smem = L::smem_bytes(p.num_groups);
-  // Not a stream operation: fine during graph capture, and cheap.
-  cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (st != cudaSuccess) return st;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid, 1, 1);
-  cfg.blockDim = dim3(384, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = Cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, a, b, p);
+  return launch_cluster_kernel(fp8_block_scaled_grouped_kernel<BlockN, Cluster>, grid, Cluster,
+                               BlockScaledLayout<BlockN>::smem_bytes(p.num_groups), stream, a, b, p);
 }
 
 #define LPMOE_INSTANTIATE_BLOCK_SCALED(N)                                                                         \

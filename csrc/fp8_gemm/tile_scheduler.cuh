@@ -101,8 +101,8 @@ struct GroupedTileScheduler {
 
 // Weight-gradient tiles: every member owns the same (N / BlockM) x (K /
 // BlockN) output tiles, so a tile's member is a division (no table); the
-// work per tile (the member's token blocks) varies, an empty member's tiles
-// only write zeros.  Inside a member: bands of BandRows row tiles, row tiles
+// work per tile (the member's token blocks) varies; an empty member's tiles
+// only write zeros (nothing when accumulating).  Inside a member: bands of BandRows row tiles, row tiles
 // fastest, as above (a band's dy^T rows stay in L2 while x^T streams).
 struct WgradTile {
   int group;

@@ -37,9 +37,12 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   *ran = BlockScaledConfig{};
   if (args.kind != gemm::GemmKind::kWgrad || (args.beta != 0.0f && args.beta != 1.0f)) return cudaErrorNotSupported;
   const int g = args.num_groups;
-  const BlockScaledConfig pick = choose_wgrad_config(args.n, args.k);
-  if (cfg.block_n == 0) cfg.block_n = pick.block_n;
+  const BlockScaledConfig pick = choose_wgrad_config(args.k);
   if (cfg.cluster == 0) cfg.cluster = pick.cluster;
+  if (cfg.block_n == 0) {  // the heuristic's width, else the one whose member table fits
+    cfg.block_n = pick.block_n;
+    if (!wgrad_supports(cfg, g)) cfg.block_n = pick.block_n == 128 ? 192 : 128;
+  }
   if (!wgrad_supports(cfg, g)) return cudaErrorNotSupported;
   if (args.n > INT_MAX || args.k > INT_MAX || args.n % 16 != 0 || args.k % 16 != 0) return cudaErrorNotSupported;
   const int64_t m_tiles = (args.n + kBlockM * cfg.cluster - 1) / (kBlockM * cfg.cluster);
@@ -48,14 +51,16 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   // The maps live at the start of the caller's workspace, 128-byte aligned.
   const uintptr_t ws = reinterpret_cast<uintptr_t>(args.workspace);
   const uintptr_t maps = (ws + 127) / 128 * 128;
-  if (args.workspace == nullptr || maps - ws + 2 * size_t(g) * sizeof(CUtensorMap) > args.workspace_bytes) {
-    return cudaErrorInvalidValue;
-  }
+  if (args.workspace == nullptr || args.workspace_bytes < wgrad_map_bytes(g)) return cudaErrorInvalidValue;
   // Templates: one 128-token block of dy^T (N rows) and x^T (K rows); the
-  // device patches base, token extent and stride per member.
+  // device patches base, token extent and stride per member.  Without token
+  // rows (every member empty: the kernel only writes zeros) the buffers may
+  // have no address; the workspace stands in for a base the driver accepts.
+  const void* a_base = args.a != nullptr ? args.a : args.workspace;
+  const void* b_base = args.b != nullptr ? args.b : args.workspace;
   CUtensorMap a_template, b_template;
-  if (!encode_kmajor_fp8_map(&a_template, 2, args.a, kBlockK, args.n, kBlockK, 1, 0, kBlockM) ||
-      !encode_kmajor_fp8_map(&b_template, 2, args.b, kBlockK, args.k, kBlockK, 1, 0,
+  if (!encode_kmajor_fp8_map(&a_template, 2, a_base, kBlockK, args.n, kBlockK, 1, 0, kBlockM) ||
+      !encode_kmajor_fp8_map(&b_template, 2, b_base, kBlockK, args.k, kBlockK, 1, 0,
                              static_cast<uint32_t>(cfg.block_n / cfg.cluster))) {
     return cudaErrorNotSupported;
   }
@@ -73,7 +78,7 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   if (!p.out_bf16 && !encode_fp32_rows_map(&p.out_map, args.d, args.k, args.n, g, kWgradBoxCols, 16)) {
     return cudaErrorNotSupported;
   }
-  cudaError_t st = launch_wgrad_maps(a_template, b_template, args.a, args.b, p, args.stream);
+  cudaError_t st = launch_wgrad_maps(a_template, b_template, a_base, b_base, p, args.stream);
   if (st != cudaSuccess) return st;
   const int64_t sm_ctas = args.sm_count / cfg.cluster * cfg.cluster;
   const int64_t max_ctas = m_tiles * n_tiles * g * cfg.cluster;

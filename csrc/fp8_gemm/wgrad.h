@@ -25,7 +25,7 @@ struct WgradParams {
   int n_rows = 0;  // N: dW rows (dy's columns)
   int k_cols = 0;  // K: dW columns (x's columns)
   // The 1x128 scales of the columnwise copies: member t at
-  // round_up(dim, 4) * pad128[t] / 128, laid out (M_t / 128 blocks, round_up(dim, 4)).
+  // round_up(dim, 4) * pad128[t] / 128, laid out (ceil(M_t / 128) blocks, round_up(dim, 4)).
   const float* a_scale = nullptr;  // dy's, dim = N
   const float* b_scale = nullptr;  // x's, dim = K
   // Per-member TMA maps written on the device before the GEMM (the members'
@@ -57,8 +57,10 @@ struct WgradLayout {
   // Output staging, one buffer per math warp (1024-byte aligned: the fp32
   // boxes are 128-byte swizzled): 16 rows x 32 fp32 for the TMA epilogue, or
   // the bf16 path's kEpilogueWarpBytes.
-  static constexpr int kStagingWarpBytes = kWgradStagingBytes;
-  static constexpr int kEpilogueBytes = 8 * kStagingWarpBytes;
+  static constexpr int kEpilogueBytes = 8 * kWgradStagingBytes;
+  // Reserve 1 KB alignment slack, the staging and 2 KB for the barriers and
+  // the member table (up to ~2000 groups fit in what the stages leave over);
+  // the rest is pipeline stages (5 at width 192, 6 at 128).
   static constexpr int kStages =
       (kSmemLimit - 1024 - kEpilogueBytes - 2048) / (kStageBytes + kScaleStageBytes);
   static_assert(kStages >= 3, "too few stages");
@@ -74,7 +76,8 @@ struct WgradLayout {
 // Tile widths this build instantiates for wgrad (clusters 1 and 2).
 constexpr int kWgradBlockNs[] = {128, 192};
 
-// Bytes of per-member map workspace the wgrad kernel needs.
+// Bytes of the GEMM workspace the per-member maps need (128-byte aligned
+// inside it).
 inline size_t wgrad_map_bytes(int num_groups) { return 128 + 2 * size_t(num_groups) * sizeof(CUtensorMap); }
 
 template <int BlockN, int Cluster>
@@ -88,9 +91,11 @@ cudaError_t launch_wgrad_maps(const CUtensorMap& a_template, const CUtensorMap& 
 
 bool wgrad_supports(BlockScaledConfig cfg, int num_groups);
 
-// wgrad with the given configuration (zeros: the heuristic's choice);
-// cudaErrorNotSupported when the call does not fit (the binding then runs the
-// CUTLASS kernel).  *ran = the configuration that ran.
+// wgrad with the given configuration (zeros: the heuristic's choice, or the
+// other width when the chosen one's member table does not fit);
+// cudaErrorNotSupported when the call does not fit (too many groups, beta
+// other than 0 or 1, sizes past int, a map the driver rejects: the binding
+// then runs the CUTLASS kernel).  *ran = the configuration that ran.
 cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran);
 
 }  // namespace fp8_gemm

@@ -14,8 +14,8 @@
 //   producer acquires a member's maps when it reaches the member.
 // * Both scale vectors of a K-block (128 row scales of dy, BlockN column
 //   scales of x) are contiguous runs, bulk-copied into the stage with the
-//   tiles; the math warps read them after the wgmmas and release the stage
-//   after the promotion.
+//   tiles; the math warps read their two row scales before the wgmmas and
+//   the column scales in the promotion after them, then release the stage.
 // * Every member has the same tiles, with a member-dependent number of
 //   K-blocks; an empty member's tiles store zeros (or leave an accumulated
 //   output alone), so no separate zeroing launch exists.
@@ -26,15 +26,13 @@
 
 #include <cuda_bf16.h>
 
+#include "fp8_gemm/math_warpgroup.cuh"
 #include "fp8_gemm/sm90_primitives.cuh"
 #include "fp8_gemm/tile_scheduler.cuh"
 #include "fp8_gemm/wgrad.h"
 
 namespace lpmoe {
 namespace fp8_gemm {
-
-constexpr int kWgradProducerRegs = 56;
-constexpr int kWgradMathRegs = 224;
 
 // res += acc * sa_row * sb_col for one K-block.  `sb` points at this
 // thread's first column pair in the stage's column scales.
@@ -137,13 +135,13 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int wg = warp_uniform(threadIdx.x / 128);
-  cutlass::arch::warpgroup_reg_alloc<kWgradMathRegs>();
+  cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
   // Fragment of a 64 x BlockN wgmma tile: thread (warp w, lane l) holds rows
   // 16w + l/4 and +8, columns 8j + 2(l%4) + {0,1}.
   const int w_in_wg = warp % 4;
   const int row_in_tile = wg * 64 + w_in_wg * 16 + lane / 4;
   const int col_in_frag = 2 * (lane % 4);
-  uint8_t* stage_out = smem + L::kEpilogueOffset + warp * L::kStagingWarpBytes;
+  uint8_t* stage_out = smem + L::kEpilogueOffset + warp * kWgradStagingBytes;
   float acc[BlockN / 2];
   float res[BlockN / 2];
   RingPos<L::kStages> pos;
@@ -164,33 +162,10 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
       const float sa0 = sc[row_in_tile], sa1 = sc[row_in_tile + 8];
       const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
       const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
-#pragma unroll
-      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int ks = 0; ks < kBlockK / kWgmmaK; ++ks) {
-        wgmma_fp8<BlockN>(advance_k(da, ks), advance_k(db, ks), acc, ks > 0);
-      }
-      cute::warpgroup_commit_batch();
-#pragma unroll
-      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-      cute::warpgroup_wait<0>();
-#pragma unroll
-      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      kblock_wgmma<BlockN>(da, db, acc);
       promote_outer<BlockN>(res, acc, sa0, sa1, sc + kBlockM + col_in_frag);
-      // The stage's tiles and scales are read: hand it back (to both CTAs'
-      // producers with a cluster: the x^T tile came from both).
-      __syncwarp();
-      if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < Cluster; ++r) {
-          if constexpr (Cluster == 1) {
-            Barrier::arrive(&empty[pos.stage]);
-          } else {
-            Barrier::arrive(&empty[pos.stage], r, 1u);
-          }
-        }
-      }
+      // The stage's tiles and column scales are read: hand it back.
+      release_stage<Cluster>(&empty[pos.stage], lane);
       pos.next();
     }
 
@@ -243,7 +218,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
   const int tile_step = gridDim.x / Cluster;
 
   if (wg == 2) {
-    cutlass::arch::warpgroup_reg_dealloc<kWgradProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (threadIdx.x == 256) {
       constexpr int kBRows = BlockN / Cluster;  // x^T rows this CTA loads (and multicasts)
       const int64_t a_ld = (p.n_rows + 3) / 4 * 4;

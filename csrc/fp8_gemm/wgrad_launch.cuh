@@ -2,6 +2,7 @@
 // per tile width (compile time stays per file).
 #pragma once
 
+#include "fp8_gemm/cluster_launch.h"
 #include "fp8_gemm/wgrad_kernel.cuh"
 
 namespace lpmoe {
@@ -9,24 +10,8 @@ namespace fp8_gemm {
 
 template <int BlockN, int Cluster>
 cudaError_t launch_wgrad(const WgradParams& p, int grid, cudaStream_t stream) {
-  using L = WgradLayout<BlockN>;
-  auto kernel = fp8_block_wgrad_kernel<BlockN, Cluster>;
-  const size_t smem = L::smem_bytes(p.num_groups);
-  cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (st != cudaSuccess) return st;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid, 1, 1);
-  cfg.blockDim = dim3(384, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = Cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  return launch_cluster_kernel(fp8_block_wgrad_kernel<BlockN, Cluster>, grid, Cluster,
+                               WgradLayout<BlockN>::smem_bytes(p.num_groups), stream, p);
 }
 
 #define LPMOE_INSTANTIATE_WGRAD(N)                                                       \
