@@ -408,3 +408,22 @@ def test_gpu_cublas_fp32_output_is_tighter(fmt):
     assert y.dtype == torch.float32 and rel_err(y, ref) < (1e-3 if fmt == "fp8" else 1e-4)
     with pytest.raises(ValueError, match="grouped"):
         lpmoe.grouped_gemm(a, b, kind="fprop", out_dtype=torch.float32, backend="grouped")
+
+
+def test_auto_backend_with_host_splits_choice():
+    """Host splits: the cuBLASLt loop only for FP8 fprop/dgrad of groups
+    averaging >= 2048 tokens (multiples of 4); FP8 wgrad stays grouped (lpmoe's
+    kernel is at parity with the loop there); 16-bit and small groups grouped."""
+    from types import SimpleNamespace
+    from lpmoe.gemm.api import _cublas_is_faster
+
+    def ops(kind, splits, fp8=True):
+        return SimpleNamespace(kind=kind, m_splits=splits, fp8=fp8)
+
+    big = [4096, 0, 2048]
+    assert _cublas_is_faster(ops("fprop", big)) and _cublas_is_faster(ops("dgrad", big))
+    assert not _cublas_is_faster(ops("wgrad", big))
+    assert not _cublas_is_faster(ops("fprop", big, fp8=False))
+    assert not _cublas_is_faster(ops("fprop", [1024, 1024]))
+    assert not _cublas_is_faster(ops("fprop", [4098, 4096]))  # cuBLASLt FP8 needs multiples of 4
+    assert not _cublas_is_faster(ops("fprop", None))

@@ -22,9 +22,9 @@ Backends
     it cannot run the call: never a silent host sync).  Host splits
     (``m_splits`` given): the faster one as measured on H100
     (benchmarks/bench_grouped_gemm.py, docs/perf-notes.md): cuBLASLt for FP8
-    block products whose groups average >= 2048 tokens (0-10 % faster for
-    fprop/dgrad, wgrad within the noise of lpmoe's kernel since 2026-11-25),
-    the grouped kernels otherwise (1.5-7x faster for many small groups).
+    fprop/dgrad whose groups average >= 2048 tokens (0-10 % faster), the
+    grouped kernels otherwise (1.5-7x faster for many small groups; FP8 wgrad
+    at parity with the loop on large groups since 2026-11-25).
 
 Both backends write only the first ``sum(m_splits)`` rows of a caller's
 ``out``; a fresh output has its rows past the sum zeroed.  Two grouped GEMMs
@@ -291,13 +291,17 @@ def grouped_gemm_impl(a, b, kind: str, out, accumulate: bool, bias, out_dtype, b
 
 
 def _cublas_is_faster(ops: GemmOperands) -> bool:
-    """Host-split heuristic from the H100 benchmark (see module docs)."""
-    if ops.m_splits is None or not ops.fp8:
+    """Host-split heuristic from the H100 benchmarks (see module docs): the
+    cuBLASLt loop for FP8 fprop/dgrad of groups averaging >= 2048 tokens.
+    FP8 wgrad stays on lpmoe's wgrad kernel, at parity with the loop there
+    (0.98-1.06x, median 1.01, benchmarks/bench_fp8_wgrad_configs.py) without
+    its launch per expert."""
+    if ops.m_splits is None or not ops.fp8 or ops.kind == "wgrad":
         return False
     used = [m for m in ops.m_splits if m]
     if not used or sum(used) / len(used) < 2048:
         return False
-    return ops.kind == "wgrad" or all(m % 4 == 0 for m in used)
+    return all(m % 4 == 0 for m in used)
 
 
 def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool, zero_tail: bool = False) -> None:
