@@ -91,7 +91,6 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
   // acc[4j + {2,3}] row r+8.
   const int w_in_wg = warp % 4;
   const int row_in_tile = wg * 64 + w_in_wg * 16 + lane / 4;
-  const int col_in_frag = 2 * (lane % 4);
   const int b_blocks = (p.n_cols + 127) / 128;
   float acc[BlockN / 2];
   float res[BlockN / 2];
@@ -162,33 +161,21 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
       if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue
     }
 
-    // Epilogue: kEpilogueCols columns at a time, the warp's fragment goes
-    // into its staging tile (rows lane/4 and +8) and comes back as one
-    // 16-byte piece per lane (row lane/2, half lane%2), stored if the row is
-    // in the group (rows past it belong to the next group) and the columns in
-    // N (N and the tile start are multiples of 16, so a piece is all in or all
-    // out).  Direct 4-byte stores from the fragment used 4x the store
-    // instructions on half-used sectors and stalled the math warps at the
-    // global store queue (ncu: 6.5 % of warp samples, 'lg throttle').
+    // Epilogue (bf16_epilogue): a lane's 16-byte piece is stored if its row
+    // is in the group (rows past it belong to the next group) and its
+    // columns in N (N and the tile start are multiples of 16, so a piece is
+    // all in or all out).  Direct 4-byte stores from the fragment used 4x the
+    // store instructions on half-used sectors and stalled the math warps at
+    // the global store queue (ncu: 6.5 % of warp samples, 'lg throttle').
     const int out_row = m0 + wg * 64 + w_in_wg * 16 + lane / 2;
     const bool row_ok = out_row < c.rows;
     __nv_bfloat16* drow = static_cast<__nv_bfloat16*>(p.d) + (int64_t(c.row0) + out_row) * p.n_cols;
-#pragma unroll
-    for (int cc = 0; cc < BlockN / kEpilogueCols; ++cc) {
-#pragma unroll
-      for (int jj = 0; jj < kEpilogueCols / 8; ++jj) {
-        const int j = cc * (kEpilogueCols / 8) + jj;
-        uint8_t* at = stage_out + (lane / 4) * kEpilogueRowBytes + 16 * jj + 2 * col_in_frag;
-        *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(res[4 * j], res[4 * j + 1]);
-        *reinterpret_cast<__nv_bfloat162*>(at + 8 * kEpilogueRowBytes) =
-            __floats2bfloat162_rn(res[4 * j + 2], res[4 * j + 3]);
-      }
-      __syncwarp();
-      const uint4 piece = *reinterpret_cast<const uint4*>(stage_out + (lane / 2) * kEpilogueRowBytes + 16 * (lane % 2));
-      const int col = n0 + cc * kEpilogueCols + 8 * (lane % 2);
-      if (row_ok && col < p.n_cols) *reinterpret_cast<uint4*>(drow + col) = piece;
-      __syncwarp();  // every lane has read before the next pass overwrites
-    }
+    bf16_epilogue<BlockN>(
+        res, stage_out, lane, [](int, float*) {},
+        [&](int cc, const uint4& piece) {
+          const int col = n0 + cc * kEpilogueCols + 8 * (lane % 2);
+          if (row_ok && col < p.n_cols) *reinterpret_cast<uint4*>(drow + col) = piece;
+        });
   }
 #endif
 }

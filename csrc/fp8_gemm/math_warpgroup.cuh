@@ -1,8 +1,10 @@
 // Pieces of the math warpgroups shared by the fprop/dgrad kernel
 // (kernel_1x128_128x128.cuh) and the wgrad kernel (wgrad_kernel.cuh): the
-// register split of producer and math warpgroups, one K-block of wgmmas, and
-// the hand-back of a pipeline stage.
+// register split of producer and math warpgroups, one K-block of wgmmas,
+// the hand-back of a pipeline stage and the bf16 epilogue.
 #pragma once
+
+#include <cuda_bf16.h>
 
 #include "fp8_gemm/block_scaled.h"
 #include "fp8_gemm/sm90_primitives.cuh"
@@ -53,6 +55,36 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
         Barrier::arrive(empty, r, 1u);
       }
     }
+  }
+}
+
+// bf16 epilogue of one math warp's 16 x BlockN fragment: kEpilogueCols
+// columns per pass go into the warp's staging tile (rows lane/4 and +8, rows
+// of kEpilogueRowBytes: the fragment's 4-byte writes hit 32 distinct banks)
+// and come back as one 16-byte piece per lane (row lane/2, columns
+// 8 (lane%2) of the pass), so the global stores are whole 16-byte units
+// instead of the fragment's 4-byte pairs on half-used sectors.
+// `adjust(j, v)` may change the four fp32 values of 8-column fragment j
+// before they are rounded (accumulation); `store(pass, piece)` writes the
+// lane's piece (and masks it).
+template <int BlockN, class Adjust, class Store>
+__device__ __forceinline__ void bf16_epilogue(const float* res, uint8_t* stage_out, int lane, Adjust&& adjust,
+                                              Store&& store) {
+  const int col_in_frag = 2 * (lane % 4);
+#pragma unroll
+  for (int cc = 0; cc < BlockN / kEpilogueCols; ++cc) {
+#pragma unroll
+    for (int jj = 0; jj < kEpilogueCols / 8; ++jj) {
+      const int j = cc * (kEpilogueCols / 8) + jj;
+      float v[4] = {res[4 * j], res[4 * j + 1], res[4 * j + 2], res[4 * j + 3]};
+      adjust(j, v);
+      uint8_t* at = stage_out + (lane / 4) * kEpilogueRowBytes + 16 * jj + 2 * col_in_frag;
+      *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v[0], v[1]);
+      *reinterpret_cast<__nv_bfloat162*>(at + 8 * kEpilogueRowBytes) = __floats2bfloat162_rn(v[2], v[3]);
+    }
+    __syncwarp();
+    store(cc, *reinterpret_cast<const uint4*>(stage_out + (lane / 2) * kEpilogueRowBytes + 16 * (lane % 2)));
+    __syncwarp();  // every lane has read before the next pass overwrites
   }
 }
 

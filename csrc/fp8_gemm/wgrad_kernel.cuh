@@ -86,22 +86,18 @@ __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float
   }
 }
 
-// bf16 output through the warp's staging tile (rows of kEpilogueRowBytes):
-// kEpilogueCols columns per pass, one 16-byte piece per lane.  Accumulation
+// bf16 output through the fprop kernel's staging epilogue; accumulation
 // adds the old bf16 values in fp32 before the single rounding.
 template <int BlockN>
 __device__ __forceinline__ void store_bf16(const WgradParams& p, __nv_bfloat16* d, const float* res, int warp_row0,
                                            int tile_col0, int lane, uint8_t* stage_out, bool accumulate) {
-  const int col_in_frag = 2 * (lane % 4);
   const int frag_row = warp_row0 + lane / 4;
-#pragma unroll
-  for (int cc = 0; cc < BlockN / kEpilogueCols; ++cc) {
-#pragma unroll
-    for (int jj = 0; jj < kEpilogueCols / 8; ++jj) {
-      const int j = cc * (kEpilogueCols / 8) + jj;
-      float v[4] = {res[4 * j], res[4 * j + 1], res[4 * j + 2], res[4 * j + 3]};
-      if (accumulate) {
-        const int col = tile_col0 + 8 * j + col_in_frag;
+  const int frag_col = tile_col0 + 2 * (lane % 4);
+  bf16_epilogue<BlockN>(
+      res, stage_out, lane,
+      [&](int j, float* v) {
+        if (!accumulate) return;
+        const int col = frag_col + 8 * j;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = frag_row + 8 * half;
@@ -112,18 +108,12 @@ __device__ __forceinline__ void store_bf16(const WgradParams& p, __nv_bfloat16* 
             v[2 * half + 1] += old.y;
           }
         }
-      }
-      uint8_t* at = stage_out + (lane / 4) * kEpilogueRowBytes + 16 * jj + 2 * col_in_frag;
-      *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(v[0], v[1]);
-      *reinterpret_cast<__nv_bfloat162*>(at + 8 * kEpilogueRowBytes) = __floats2bfloat162_rn(v[2], v[3]);
-    }
-    __syncwarp();
-    const uint4 piece = *reinterpret_cast<const uint4*>(stage_out + (lane / 2) * kEpilogueRowBytes + 16 * (lane % 2));
-    const int row = warp_row0 + lane / 2;
-    const int col = tile_col0 + cc * kEpilogueCols + 8 * (lane % 2);
-    if (row < p.n_rows && col < p.k_cols) *reinterpret_cast<uint4*>(d + int64_t(row) * p.k_cols + col) = piece;
-    __syncwarp();  // every lane has read before the next pass overwrites
-  }
+      },
+      [&](int cc, const uint4& piece) {
+        const int row = warp_row0 + lane / 2;
+        const int col = tile_col0 + cc * kEpilogueCols + 8 * (lane % 2);
+        if (row < p.n_rows && col < p.k_cols) *reinterpret_cast<uint4*>(d + int64_t(row) * p.k_cols + col) = piece;
+      });
 }
 
 template <int BlockN, int Cluster>
