@@ -20,8 +20,8 @@ import lpmoe
 from lpmoe import Float8BlockQuantizer
 from lpmoe.gemm import fp8_wgrad_kernel_config
 
-from _common import median_ms, parser, splits_for, write_summary
-from bench_fp8_kernel_configs import CASES, SHAPES
+from _common import parser, splits_for, write_summary
+from bench_fp8_kernel_configs import CASES, SHAPES, measure
 
 CONFIGS = {f"n{w}c{c}": (w, c) for w in (128, 192) for c in (1, 2)}
 CONFIGS.update({"cutlass": (-1, 0), "auto": (0, 0)})
@@ -72,10 +72,7 @@ def main():
         if names is None:
             names = list(fns)
             print(f"{'case':28s} | " + " | ".join(f"{x:>16s}" for x in names) + " | auto/cublas auto/cutlass")
-        got = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                got[name].append(median_ms(fn, warmup=2, iters=5, reps=4))
+        got = measure(fns, args.rounds)
         flops = 2.0 * tokens * n * k
         tf = {name: [flops / ms / 1e9 for ms in v] for name, v in got.items()}
         med = {name: statistics.median(v) for name, v in tf.items()}

@@ -16,6 +16,16 @@ HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
+# Member sizes of the FP8 GEMM kernel tests: empty members, single rows and
+# 128 +- 1 around the tile height, a skewed set, trailing empties, one member.
+FP8_GEMM_SPLITS = {
+    "edges": [0, 1, 127, 129, 0, 256, 3],
+    "skewed": [1000, 1, 0, 23, 130],
+    "empty_last": [64, 0, 0, 0],
+    "single": [77],
+}
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill a buffer with a recognisable byte pattern (0xA5 / NaN-ish) so
     elements a kernel failed to write show up in bitwise comparisons."""

@@ -13,19 +13,14 @@ from lpmoe import Float8BlockQuantizer
 from lpmoe.gemm import CALLS, fp8_kernel_config, fp8_kernel_key, reference_grouped_gemm
 from lpmoe.gemm.operands import parse_operands
 
-from conftest import assert_replays_match_eager, requires_cuda
+from conftest import FP8_GEMM_SPLITS, assert_replays_match_eager, requires_cuda
 
 Q1 = Float8BlockQuantizer(block_dim=1)
 Q2 = Float8BlockQuantizer(block_dim=2)
 WIDTHS = (128, 160, 192)
 CONFIGS = [(w, c) for w in WIDTHS for c in (1, 2)] + [(-1, 0)]
 
-SPLITS = {
-    "edges": [0, 1, 127, 129, 0, 256, 3],
-    "skewed": [1000, 1, 0, 23, 130],
-    "empty_last": [64, 0, 0, 0],
-    "single": [77],
-}
+SPLITS = FP8_GEMM_SPLITS
 DIMS = {"aligned": (256, 384), "partial": (400, 272), "wide": (1024, 528)}
 
 

@@ -13,17 +13,12 @@ from lpmoe import Float8BlockQuantizer
 from lpmoe.gemm import CALLS, fp8_kernel_key, fp8_wgrad_kernel_config, reference_grouped_gemm
 from lpmoe.gemm.operands import parse_operands
 
-from conftest import assert_replays_match_eager, requires_cuda
+from conftest import FP8_GEMM_SPLITS, assert_replays_match_eager, requires_cuda
 
 Q1 = Float8BlockQuantizer(block_dim=1)
 CONFIGS = [(w, c) for w in (128, 192) for c in (1, 2)] + [(-1, 0)]
 
-SPLITS = {
-    "edges": [0, 1, 127, 129, 0, 256, 3],
-    "skewed": [1000, 1, 0, 23, 130],
-    "empty_last": [64, 0, 0, 0],
-    "single": [77],
-}
+SPLITS = FP8_GEMM_SPLITS
 # (N, K) = (dy's columns, x's columns); "partial" leaves partial row and
 # column tiles, "odd_rows" an odd number of 128-row tiles (a cluster's
 # second CTA past N).
@@ -100,27 +95,17 @@ def test_gpu_every_wgrad_config_matches_reference(config, split_name, dims, out)
 
 
 @requires_cuda
-def test_gpu_wgrad_configs_agree_bitwise():
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_wgrad_configs_agree_bitwise(out_dtype):
     """The same per-element sums in the same token order: widths and clusters
-    differ only in tiling, so their fp32 outputs are identical."""
+    differ only in tiling, so their outputs (fp32, and bf16 rounded once from
+    them) are identical."""
     splits = [300, 0, 77, 512]
     dyg, xg, _, _ = _case(splits, 512, 640, seed=5)
     outs = []
     for config in CONFIGS[:-1]:
         with fp8_wgrad_kernel_config(*config):
-            outs.append(lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped"))
-    for o in outs[1:]:
-        assert torch.equal(o, outs[0])
-
-
-@requires_cuda
-def test_gpu_wgrad_widths_agree_bitwise_in_bf16():
-    splits = [300, 0, 77, 512]
-    dyg, xg, _, _ = _case(splits, 512, 640, seed=6)
-    outs = []
-    for config in CONFIGS[:-1]:
-        with fp8_wgrad_kernel_config(*config):
-            outs.append(lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.bfloat16, backend="grouped"))
+            outs.append(lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=out_dtype, backend="grouped"))
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
 
