@@ -32,10 +32,10 @@ bool block_scaled_supports(BlockScaledConfig cfg, int num_groups) {
 namespace {
 
 template <int BlockN>
-cudaError_t launch_width(int cluster, const CUtensorMap& a, const CUtensorMap& b, const BlockScaledParams& p,
-                         int grid, cudaStream_t stream) {
-  return cluster == 2 ? launch_block_scaled<BlockN, 2>(a, b, p, grid, stream)
-                      : launch_block_scaled<BlockN, 1>(a, b, p, grid, stream);
+cudaError_t launch_width(int cluster, const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& d,
+                         const BlockScaledParams& p, int grid, cudaStream_t stream) {
+  return cluster == 2 ? launch_block_scaled<BlockN, 2>(a, b, d, p, grid, stream)
+                      : launch_block_scaled<BlockN, 1>(a, b, d, p, grid, stream);
 }
 
 }  // namespace
@@ -62,10 +62,13 @@ cudaError_t run_block_scaled(const gemm::GroupedGemmArgs& args, int64_t a_rows, 
     *ran = cfg;
     return cudaSuccess;
   }
-  CUtensorMap map_a, map_b;
+  CUtensorMap map_a, map_b, map_d;
+  // D has a_rows rows of n_cols (the binding checks its size); the map needs
+  // a 16-byte aligned base and row pitch, as the kernel's 16-byte stores do.
   if (!encode_kmajor_fp8_map(&map_a, 2, args.a, k_red, a_rows, k_red, 1, 0, kBlockM) ||
       !encode_kmajor_fp8_map(&map_b, 3, args.b, k_red, n_cols, ldb, g, args.b_member_elems,
-                             static_cast<uint32_t>(block_n / cfg.cluster))) {
+                             static_cast<uint32_t>(block_n / cfg.cluster)) ||
+      !encode_bf16_rows_map(&map_d, args.d, n_cols, a_rows, kStoreBoxCols, 16)) {
     return cudaErrorNotSupported;
   }
   BlockScaledParams p;
@@ -94,9 +97,9 @@ cudaError_t run_block_scaled(const gemm::GroupedGemmArgs& args, int64_t a_rows, 
     if (st != cudaSuccess) return st;
   }
   switch (block_n) {
-    case 128: st = launch_width<128>(cfg.cluster, map_a, map_b, p, grid, args.stream); break;
-    case 160: st = launch_width<160>(cfg.cluster, map_a, map_b, p, grid, args.stream); break;
-    default: st = launch_width<192>(cfg.cluster, map_a, map_b, p, grid, args.stream); break;
+    case 128: st = launch_width<128>(cfg.cluster, map_a, map_b, map_d, p, grid, args.stream); break;
+    case 160: st = launch_width<160>(cfg.cluster, map_a, map_b, map_d, p, grid, args.stream); break;
+    default: st = launch_width<192>(cfg.cluster, map_a, map_b, map_d, p, grid, args.stream); break;
   }
   if (st == cudaSuccess) *ran = cfg;
   return st;

@@ -46,6 +46,14 @@ constexpr int kBandRowTiles = 16;  // 128-row tiles per scheduler band (tile_sch
 constexpr int kEpilogueCols = 16;
 constexpr int kEpilogueRowBytes = 48;
 constexpr int kEpilogueWarpBytes = 16 * kEpilogueRowBytes;
+// The TMA-store epilogue: a math warp whose 16 rows are all inside the group
+// writes its 16 x BlockN bf16 strip into shared memory as boxes of 16 rows x
+// kStoreBoxCols columns (64-byte rows, 64-byte swizzle: the fragment's 4-byte
+// writes hit 32 distinct banks) and hands them to bulk tensor stores; the
+// stores drain while the warp goes on to the next tile, and the strip is
+// rewritten only after they have read it (a tile later).
+constexpr int kStoreBoxCols = 32;
+constexpr int kStoreBoxBytes = 16 * kStoreBoxCols * 2;  // 1 KB, 1024-byte aligned
 constexpr int kSmemLimit = 232448;  // sm_90 opt-in dynamic shared memory per block
 
 template <int BlockN>
@@ -59,19 +67,25 @@ struct BlockScaledLayout {
   static constexpr int kABytes = kBlockM * kRowBytes;
   static constexpr int kBBytes = BlockN * kRowBytes;
   static constexpr int kStageBytes = kABytes + kBBytes;         // TMA tiles
+  static_assert(kStageBytes % 1024 == 0, "128-byte swizzled tiles and the strips after the stages need 1 KB alignment");
   static constexpr int kAScaleStageBytes = kBlockM * 4;         // A's scales per stage
   static constexpr int kBScaleBytes = 2 * 2 * kMaxKBlocks * 4;  // per math warpgroup: two scale blocks
-  static constexpr int kEpilogueBytes = 8 * kEpilogueWarpBytes;  // one staging tile per math warp
-  // Reserve 1 KB alignment slack, the B scales, the epilogue's staging and
-  // 8 KB for barriers and the scheduler's tile table; the rest is pipeline
-  // stages (5 / 5 / 6 at widths 192 / 160 / 128, as before the staging).
+  // One strip per math warp (whole boxes); the masked path (warps that
+  // straddle the group's end) stages through the first kEpilogueWarpBytes.
+  static_assert(BlockN % kStoreBoxCols == 0, "whole store boxes");
+  static constexpr int kStripBytes = 16 * BlockN * 2;
+  static constexpr int kEpilogueBytes = 8 * kStripBytes;
+  // Reserve 1 KB alignment slack, the B scales, the strips and 8 KB for
+  // barriers and the scheduler's tile table; the rest is pipeline stages
+  // (4 / 4 / 5 at widths 192 / 160 / 128: one fewer than before the strips,
+  // which measured no slower at the anchor shape, docs/fp8-gemm-kernel-notes.md).
   static constexpr int kStages =
       (kSmemLimit - 1024 - kBScaleBytes - kEpilogueBytes - 8192) / (kStageBytes + kAScaleStageBytes);
   static_assert(kStages >= 3, "too few stages");
-  static constexpr int kAScaleOffset = kStages * kStageBytes;
+  static constexpr int kEpilogueOffset = kStages * kStageBytes;  // 1024-aligned: stages are whole KBs
+  static constexpr int kAScaleOffset = kEpilogueOffset + kEpilogueBytes;
   static constexpr int kBScaleOffset = kAScaleOffset + kStages * kAScaleStageBytes;
-  static constexpr int kEpilogueOffset = kBScaleOffset + kBScaleBytes;
-  static constexpr int kBarOffset = kEpilogueOffset + kEpilogueBytes;
+  static constexpr int kBarOffset = kBScaleOffset + kBScaleBytes;
   static constexpr int kTableOffset = kBarOffset + 2 * kStages * 8;
   // The scheduler's table: 12 bytes per group (tile_scheduler.cuh).
   static constexpr size_t smem_bytes(int groups) { return 1024 + kTableOffset + 4 * (3 * size_t(groups) + 2); }
@@ -89,9 +103,10 @@ struct BlockScaledConfig {
 
 // Launches one configuration (block_scaled_n<N>.cu); `grid` is a multiple
 // of Cluster.  The B map's box is BlockN / Cluster rows.
+// `d` is the TMA-store map over the bf16 output (encode_bf16_rows_map).
 template <int BlockN, int Cluster>
-cudaError_t launch_block_scaled(const CUtensorMap& a, const CUtensorMap& b, const BlockScaledParams& p, int grid,
-                                cudaStream_t stream);
+cudaError_t launch_block_scaled(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& d,
+                                const BlockScaledParams& p, int grid, cudaStream_t stream);
 
 // Whether the configuration exists and the group table fits its shared
 // memory (values 0 = any).

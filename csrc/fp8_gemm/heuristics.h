@@ -52,6 +52,11 @@ inline int choose_block_n(int64_t a_rows, int num_groups, int64_t n_cols, int sm
 // while cluster 1 swung from 1.24x (Mixtral fprop) to 0.69x (32 x 2048-row
 // groups).  The CUTLASS kernel stays for what this kernel cannot run
 // (discrete weights, more groups than its table holds, K > 32768).
+// Re-checked after the TMA-store epilogue: in the isolated benchmark
+// cluster 1 then led on 11 of those 14 rows (by 1-10 %, two runs), but in
+// the FP8 expert-MLP step (8 x 64k tokens, same run, clusters pinned)
+// cluster 2 stayed ahead (20.3 vs 21.0 ms per step; equal at 32 x 16k), so
+// the step's choice stands.
 constexpr int64_t kSmallGroupRows = 128;
 
 inline BlockScaledConfig choose_config(int64_t a_rows, int num_groups, int64_t n_cols, int sm_count) {

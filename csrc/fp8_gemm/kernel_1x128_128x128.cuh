@@ -24,10 +24,13 @@
 //   wgmmas ran).  One warpgroup's promotion overlaps the other's wgmmas.
 // * BlockN need not divide 128: a tile spans at most two 128-column weight
 //   blocks (static_assert below), and each 8-column fragment picks its scale.
-// * Epilogue: bf16 rows restaged through a small per-warp shared-memory
-//   tile into 16-byte stores, masked per row: rows past the group's M_t
-//   belong to the next group (the 2-D A map reads through group boundaries;
-//   those rows are computed and dropped), columns past N are TMA zero fill.
+// * Epilogue: a math warp whose 16 rows are inside the group writes them to
+//   its shared-memory strip and hands them to TMA stores, which drain while
+//   the warp starts the next tile (store_strip_tma).  Rows past the group's
+//   M_t belong to the next group (the 2-D A map reads through group
+//   boundaries; those rows are computed and dropped), so the warp that
+//   straddles the group's end stores through a masked staged path instead.
+//   Columns past N are TMA zero fill on the loads and clipped on the stores.
 //   The producer is already loading the next tile meanwhile.
 #pragma once
 
@@ -75,10 +78,39 @@ __device__ __forceinline__ void promote_dispatch(int split, float* res, const fl
 }
 
 // The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue.
+// The TMA-store epilogue of one math warp whose 16 rows are all inside the
+// group: fragment j (tile columns 8j..8j+7) is one 16-byte chunk of a row in
+// box j / 4, at chunk (j % 4) ^ ((row / 2) % 4) (the 64-byte swizzle); rows
+// r and r + 8 are 512 bytes apart.  Boxes wholly past N are not stored (the
+// map clips a partial one).
+template <int BlockN>
+__device__ __forceinline__ void store_strip_tma(const CUtensorMap* map_d, const float* res, uint8_t* strip, int lane,
+                                                int col0, int row0, int n_cols) {
+  const int r = lane / 4;
+  const int swz = (r >> 1) & 3;
+#pragma unroll
+  for (int j = 0; j < BlockN / 8; ++j) {
+    uint8_t* at = strip + (j / 4) * kStoreBoxBytes + r * 64 + (((j % 4) ^ swz) * 16) + 4 * (lane % 4);
+    *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(res[4 * j], res[4 * j + 1]);
+    *reinterpret_cast<__nv_bfloat162*>(at + 512) = __floats2bfloat162_rn(res[4 * j + 2], res[4 * j + 3]);
+  }
+  cute::tma_store_fence();  // generic-proxy writes visible to the bulk copies
+  __syncwarp();
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < BlockN / kStoreBoxCols; ++b) {
+      if (col0 + b * kStoreBoxCols < n_cols) {
+        cute::SM90_TMA_STORE_2D::copy(map_d, strip + b * kStoreBoxBytes, col0 + b * kStoreBoxCols, row0);
+      }
+    }
+    cute::tma_store_arrive();
+  }
+}
+
 template <int BlockN, int Cluster, class Sched>
-__device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sched, uint8_t* smem, uint64_t* full,
-                                          uint64_t* empty, int rank, int first_tile, int tile_step, int total,
-                                          int nkb) {
+__device__ __forceinline__ void math_loop(const BlockScaledParams& p, const CUtensorMap* map_d, Sched& sched,
+                                          uint8_t* smem, uint64_t* full, uint64_t* empty, int rank, int first_tile,
+                                          int tile_step, int total, int nkb) {
 #if LPMOE_SM90A_DEVICE
   using L = BlockScaledLayout<BlockN>;
   constexpr int kStages = L::kStages;
@@ -99,7 +131,7 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
   // warpgroup barrier).
   float* sb = reinterpret_cast<float*>(smem + L::kBScaleOffset) + wg * 2 * kMaxKBlocks;
   const int tid_wg = threadIdx.x % 128;
-  uint8_t* stage_out = smem + L::kEpilogueOffset + warp * kEpilogueWarpBytes;  // this warp's staging tile
+  uint8_t* strip = smem + L::kEpilogueOffset + warp * L::kStripBytes;  // this warp's output strip
   // A tile's B scales go global -> registers -> `sb`.  With a cluster of 2
   // the registers are loaded while the previous tile's epilogue runs (one L2
   // round trip per tile off the math warps' path); with cluster 1 at the
@@ -161,29 +193,41 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, Sched& sch
       if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue
     }
 
-    // Epilogue (bf16_epilogue): a lane's 16-byte piece is stored if its row
-    // is in the group (rows past it belong to the next group) and its
-    // columns in N (N and the tile start are multiples of 16, so a piece is
-    // all in or all out).  Direct 4-byte stores from the fragment used 4x the
-    // store instructions on half-used sectors and stalled the math warps at
-    // the global store queue (ncu: 6.5 % of warp samples, 'lg throttle').
-    const int out_row = m0 + wg * 64 + w_in_wg * 16 + lane / 2;
-    const bool row_ok = out_row < c.rows;
-    __nv_bfloat16* drow = static_cast<__nv_bfloat16*>(p.d) + (int64_t(c.row0) + out_row) * p.n_cols;
-    bf16_epilogue<BlockN>(
-        res, stage_out, lane, [](int, float*) {},
-        [&](int cc, const uint4& piece) {
-          const int col = n0 + cc * kEpilogueCols + 8 * (lane % 2);
-          if (row_ok && col < p.n_cols) *reinterpret_cast<uint4*>(drow + col) = piece;
-        });
+    // Epilogue.  The strip is rewritten only once the stores issued from it
+    // a tile ago have read it (they have long finished: no wait in practice).
+    const int warp_row0 = m0 + wg * 64 + w_in_wg * 16;  // first tile row of this warp
+    if (lane == 0) cute::tma_store_wait<0>();
+    __syncwarp();
+    if (warp_row0 + 16 <= c.rows) {
+      // All 16 rows in the group: bulk tensor stores leave the math warps'
+      // path (the masked path below measured 3-4k cycles per tile, ~7 % of
+      // a K = 7168 tile, with the tensor pipe idle).
+      store_strip_tma<BlockN>(map_d, res, strip, lane, n0, c.row0 + warp_row0, p.n_cols);
+    } else if (warp_row0 < c.rows) {
+      // The warp straddles the group's end (rows past it belong to the next
+      // group): bf16_epilogue's staged 16-byte stores, masked per row and
+      // column (N and the tile start are multiples of 16, so a piece is all
+      // in or all out).  A warp wholly past the group stores nothing.
+      const int out_row = warp_row0 + lane / 2;
+      const bool row_ok = out_row < c.rows;
+      __nv_bfloat16* drow = static_cast<__nv_bfloat16*>(p.d) + (int64_t(c.row0) + out_row) * p.n_cols;
+      bf16_epilogue<BlockN>(
+          res, strip, lane, [](int, float*) {},
+          [&](int cc, const uint4& piece) {
+            const int col = n0 + cc * kEpilogueCols + 8 * (lane % 2);
+            if (row_ok && col < p.n_cols) *reinterpret_cast<uint4*>(drow + col) = piece;
+          });
+    }
   }
+  if (lane == 0) cute::tma_store_wait<0>();  // the strips are read before the CTA's memory goes
 #endif
 }
 
 template <int BlockN, int Cluster>
 __global__ void __launch_bounds__(384, 1)
     fp8_block_scaled_grouped_kernel(const __grid_constant__ CUtensorMap tma_a,
-                                    const __grid_constant__ CUtensorMap tma_b, const BlockScaledParams p) {
+                                    const __grid_constant__ CUtensorMap tma_b,
+                                    const __grid_constant__ CUtensorMap tma_d, const BlockScaledParams p) {
 #if LPMOE_SM90A_DEVICE
   using L = BlockScaledLayout<BlockN>;
   constexpr int kStages = L::kStages;
@@ -220,6 +264,7 @@ __global__ void __launch_bounds__(384, 1)
     if (threadIdx.x == 256) {
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tma_a));
       cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tma_b));
+      cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tma_d));
       constexpr int kBRows = BlockN / Cluster;  // B rows this CTA loads (and multicasts)
       RingPos<kStages> pos;
       for (int tile = first_tile; tile < total; tile += tile_step) {
@@ -253,7 +298,7 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
   } else {
-    math_loop<BlockN, Cluster>(p, sched, smem, full, empty, rank, first_tile, tile_step, total, nkb);
+    math_loop<BlockN, Cluster>(p, &tma_d, sched, smem, full, empty, rank, first_tile, tile_step, total, nkb);
   }
   // No CTA leaves while its partner may still multicast into it or arrive on
   // its barriers.

@@ -24,5 +24,12 @@ bool encode_kmajor_fp8_map(CUtensorMap* map, int rank, const void* base, uint64_
 bool encode_fp32_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
                           uint32_t box_cols, uint32_t box_rows);
 
+// Map over a (rows, cols) row-major bf16 matrix written in (box_cols x
+// box_rows) boxes with 64-byte swizzle (box_cols * 2 must be 64); the
+// coordinates are (col, row).  The map clips columns past `cols` and rows
+// past `rows`.
+bool encode_bf16_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint32_t box_cols,
+                          uint32_t box_rows);
+
 }  // namespace fp8_gemm
 }  // namespace lpmoe
