@@ -1,0 +1,63 @@
+# Ablation variants of the fprop/dgrad kernel (tools/fp8_ablation): writes
+# patched copies of csrc/ under variants/<name>/csrc.  Each patch is an exact
+# text substitution in kernel_1x128_128x128.cuh (or block_scaled.h, "H:"); a
+# variant whose text no longer matches the source is skipped with a message,
+# never built wrong.  Variants:
+#   base      the source as is
+#   nopromo   promotion only on a tile's last K-block (cost of the FFMA promotion)
+#   nostore   no global stores in the masked epilogue path
+#   noload    the producer loads only the first ring of stages, then arrives
+#             without data (compute-only time; the data stay random)
+#   stages4   4 pipeline stages;  noscale  no A-scale bulk copies
+#   nomcast   cluster 2 without the B multicast (each CTA loads all of B)
+#   skipA / skipB  one operand never loaded (confounded: stale shared memory
+#             feeds the tensor cores zeros, which draw less power)
+#   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
+import pathlib, shutil, sys
+root = pathlib.Path(__file__).resolve().parents[2]
+K = "fp8_gemm/kernel_1x128_128x128.cuh"
+PROMO = "promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);"
+STORE = "if (row_ok && col < p.n_cols) *reinterpret_cast<uint4*>(drow + col) = piece;"
+PROD = "          TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
+PRODPOS = "      RingPos<kStages> pos;\n      for (int tile"
+patches = {
+    "nopromo": [(PROMO, "if (kb + 1 == nkb) " + PROMO)],
+    "nostore": [(STORE, STORE.replace("col < p.n_cols", "col < p.n_cols && p.num_groups < 0"))],
+    "noload": [(PRODPOS, "      RingPos<kStages> pos;\n      int ablate_n = 0;\n      for (int tile"),
+               (PROD, "          if (ablate_n++ >= kStages) { Barrier::arrive(&full[pos.stage]); pos.next(); continue; }\n" + PROD)],
+}
+patches["noload_nopromo"] = patches["noload"] + patches["nopromo"]
+patches["nopromo_nostore"] = patches["nopromo"] + patches["nostore"]
+patches["base"] = []
+LOC = "    const TileCoord c = sched.locate(tile);\n    const int n0"
+KEND = "    if constexpr (kEarlyScales) {\n      if (tile + tile_step"
+EEND = "    }\n  }\n  if (lane == 0) cute::tma_store_wait<0>();"
+TR = [(LOC, "    const long long tr0 = clock64();\n" + LOC),
+      (KEND, "    const long long tr1 = clock64();\n" + KEND),
+      (EEND, EEND.replace("    }\n  }\n", "    }\n    if (blockIdx.x == 0 && (threadIdx.x == 0 || threadIdx.x == 128) && tr_n < 200) { long long* t = g_trace + (threadIdx.x / 128) * 600 + 3 * tr_n; t[0] = tr0; t[1] = tr1; t[2] = clock64(); ++tr_n; }\n  }\n")),
+      ("template <int BlockN, int Cluster, class Sched>\n__device__", "__device__ long long g_trace[1200];\ntemplate <int BlockN, int Cluster, class Sched>\n__device__"),
+      ("  RingPos<kStages> pos;\n  for (int tile", "  RingPos<kStages> pos;\n  int tr_n = 0;\n  for (int tile")]
+patches["trace"] = TR
+patches["trace_noload"] = TR + patches["noload"]
+H = "fp8_gemm/block_scaled.h"
+EXP = "TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
+ALOAD = "tma_load_2d(&tma_a, &full[pos.stage], st, kb * kBlockK, a_row);"
+SBL = "uint8_t* sb = st + L::kABytes + rank * kBRows * kRowBytes;"
+MC = "tma_load_3d_multicast(&tma_b, &full[pos.stage], (1u << Cluster) - 1u, sb, kb * kBlockK, b_row, c.group);"
+patches["stages4"] = [("H:(kSmemLimit - 1024 - kBScaleBytes - kEpilogueBytes - 8192) / (kStageBytes + kAScaleStageBytes);", "4;")]
+patches["noscale"] = [(EXP, EXP.replace(" + sa_bytes", "")), ("if (sa_bytes != 0) {", "if (sa_bytes != 0 && p.num_groups < 0) {")]
+patches["skipB"] = [(EXP, EXP.replace("L::kStageBytes", "L::kABytes")), (SBL, SBL + " if (p.num_groups > 0) { pos.next(); continue; }")]
+patches["skipA"] = [(EXP, EXP.replace("L::kStageBytes", "L::kBBytes")), (ALOAD, "if (p.num_groups < 0) " + ALOAD)]
+patches["nomcast"] = [(MC, "tma_load_3d(&tma_b, &full[pos.stage], st + L::kABytes, kb * kBlockK, c.n_block * BlockN, c.group); tma_load_3d(&tma_b, &full[pos.stage], st + L::kABytes + kBRows * kRowBytes, kb * kBlockK, c.n_block * BlockN + kBRows, c.group);")]
+for name, subs in patches.items():
+    dst = pathlib.Path(__file__).parent / "variants" / name / "csrc"
+    if dst.exists(): shutil.rmtree(dst)
+    shutil.copytree(root / "csrc", dst)
+    for old, new in subs:
+        f = dst / (H if old.startswith("H:") else K)
+        old = old[2:] if old.startswith("H:") else old
+        s = f.read_text()
+        if s.count(old) != 1:
+            print("skip", name); shutil.rmtree(dst.parent); break
+        f.write_text(s.replace(old, new))
+print(" ".join(patches))
