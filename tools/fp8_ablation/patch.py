@@ -12,6 +12,7 @@
 #   nomcast   cluster 2 without the B multicast (each CTA loads all of B)
 #   skipA / skipB  one operand never loaded (confounded: stale shared memory
 #             feeds the tensor cores zeros, which draw less power)
+#   pingpong  math warpgroups take turns issuing their wgmmas (named barriers)
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 import pathlib, shutil, sys
 root = pathlib.Path(__file__).resolve().parents[2]
@@ -39,6 +40,25 @@ TR = [(LOC, "    const long long tr0 = clock64();\n" + LOC),
       ("  RingPos<kStages> pos;\n  for (int tile", "  RingPos<kStages> pos;\n  int tr_n = 0;\n  for (int tile")]
 patches["trace"] = TR
 patches["trace_noload"] = TR + patches["noload"]
+# pingpong: the two math warpgroups take turns issuing a K-block's wgmmas
+# (named barriers 3 + wg), so the tensor pipe runs one warpgroup's K-block
+# while the other promotes, instead of both promoting at once.
+WGMMA = "      kblock_wgmma<BlockN>(da, db, acc);"
+TURN = ("      cutlass::arch::NamedBarrier::sync(256, 3 + wg);\n"
+        "      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);\n"
+        "      cute::warpgroup_arrive();\n"
+        "      for (int ks = 0; ks < kBlockK / kWgmmaK; ++ks) wgmma_fp8<BlockN>(advance_k(da, ks), advance_k(db, ks), acc, ks > 0);\n"
+        "      cute::warpgroup_commit_batch();\n"
+        "      cutlass::arch::NamedBarrier::arrive(256, 3 + (wg ^ 1));\n"
+        "      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);\n"
+        "      cute::warpgroup_wait<0>();\n"
+        "      for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);")
+MSTART = "  RingPos<kStages> pos;\n  for (int tile"
+MEND = "  if (lane == 0) cute::tma_store_wait<0>();  // the strips are read"
+patches["pingpong"] = [(WGMMA, TURN),
+                       (MSTART, "  if (wg == 1) cutlass::arch::NamedBarrier::arrive(256, 3);\n" + MSTART),
+                       (MEND, "  if (wg == 0) cutlass::arch::NamedBarrier::sync(256, 3);\n" + MEND)]
+patches["pingpong_noload"] = patches["pingpong"] + patches["noload"]
 H = "fp8_gemm/block_scaled.h"
 EXP = "TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
 ALOAD = "tma_load_2d(&tma_a, &full[pos.stage], st, kb * kBlockK, a_row);"
