@@ -142,14 +142,46 @@ def test_compiled_single_tensor_and_swizzle_cpu():
     assert counter.frame_count == 1
 
 
-def test_compile_new_token_count_cpu():
-    """A new number of token rows recompiles once (the layer ops specialize
-    token counts) and stays exact."""
-    mlp = lpmoe.GroupedMLP(4, 128, 64, params_dtype=torch.bfloat16, device="cpu")
-    c = torch.compile(mlp, fullgraph=True)
-    for rows in (128, 96, 64):
-        s = _splits(values=[rows // 4] * 4)
-        _assert_equal(_run(c, _x(rows), s), _run(mlp, _x(rows), s))
+# token counts (rows, device splits): capacity tails, an empty expert, one expert with everything
+TOKEN_COUNTS = ((96, [16, 0, 48, 16]), (160, [0, 0, 0, 160]), (64, [16, 16, 16, 16]), (200, [50, 50, 50, 33]))
+
+
+def _layer(kind, device="cpu", k=128, n=64):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return lpmoe.GroupedMLP(4, k, n, bias=True, params_dtype=torch.bfloat16, device=device)
+    return lpmoe.GroupedLinear(4, k, n, bias=True, params_dtype=torch.bfloat16, device=device)
+
+
+@pytest.mark.parametrize("recipe", [None, Float8BlockScaling()], ids=repr)
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_dynamic_token_counts_compile_once_cpu(recipe, kind):
+    """With dynamic shapes a new token count does not recompile: the layer
+    ops' fakes keep the count symbolic and one saved layout serves every
+    count; results stay bitwise equal to eager."""
+    m = _layer(kind)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    c = torch.compile(m, fullgraph=True, dynamic=True, backend=counter)
+    before = dict(layer_ops.CALLS)
+    for rows, values in TOKEN_COUNTS:
+        p = torch.rand(rows) if kind == "mlp" else None
+        _assert_equal(_run(c, _x(rows, seed=rows), _splits(values=values), p, recipe),
+                      _run(m, _x(rows, seed=rows), _splits(values=values), p, recipe))
+    assert counter.frame_count == 1, "a new token count must not recompile"
+    op = "grouped_mlp" if kind == "mlp" else "grouped_linear"
+    assert layer_ops.CALLS[op] == before[op] + len(TOKEN_COUNTS)  # the compiled op ran every time
+
+
+def test_new_token_count_recompiles_once_by_default_cpu():
+    """Default torch.compile: the first call is traced static; the first new
+    token count recompiles with the count dynamic, and no later count does."""
+    m = _layer("mlp")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    c = torch.compile(m, fullgraph=True, backend=counter)
+    for rows, values in TOKEN_COUNTS:
+        _assert_equal(_run(c, _x(rows, seed=rows), _splits(values=values)),
+                      _run(m, _x(rows, seed=rows), _splits(values=values)))
+    assert counter.frame_count == 2
 
 
 def _example():
@@ -208,6 +240,25 @@ def test_compile_gpu_bitwise_and_no_recompile(recipe):
         _assert_equal(_run(cl, x, s, None, recipe), _run(lin, x, s, None, recipe))
     assert counter.frame_count == 2, "one compilation per module; routing changes must not recompile"
     assert layer_ops.CALLS["grouped_mlp"] == before["grouped_mlp"] + len(GPU_ROUTINGS)
+
+
+@requires_cuda
+@pytest.mark.parametrize("recipe", GPU_RECIPES[:2], ids=repr)
+def test_compile_gpu_dynamic_token_counts(recipe):
+    """CUDA kernels under one dynamic-shape compilation: new token counts
+    and routings, bitwise equal to eager, no recompilation."""
+    mlp, lin = _gpu_modules(recipe)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    cm = torch.compile(mlp, fullgraph=True, dynamic=True, backend=counter)
+    cl = torch.compile(lin, fullgraph=True, dynamic=True, backend=counter)
+    for i, (rows, routing) in enumerate(((1024, GPU_ROUTINGS[0]), (900, GPU_ROUTINGS[1]), (1000, GPU_ROUTINGS[2]),
+                                         (1536, [200, 0, 0, 300, 1, 129, 0, 800]))):
+        s = torch.tensor(routing, device="cuda")
+        x = _x(rows, 256, device="cuda", seed=i)
+        probs = torch.rand(rows, device="cuda")
+        _assert_equal(_run(cm, x, s, probs, recipe), _run(mlp, x, s, probs, recipe))
+        _assert_equal(_run(cl, x, s, None, recipe), _run(lin, x, s, None, recipe))
+    assert counter.frame_count == 2, "one compilation per module for every token count"
 
 
 @requires_cuda

@@ -29,7 +29,7 @@ def _objects(x, w, seed):
 def _check_round_trip(key, objs, inputs):
     fresh = saved_layout.flatten(key, objs, inputs)
     saved, k = saved_layout.inputs_to_save(key, inputs)
-    back = saved_layout.rebuild(key, saved + fresh, k)
+    back = saved_layout.rebuild(key, saved + fresh, k, inputs["x"].shape[0])
     assert back[0] is objs[0] and back[2][0] is objs[2][0] and back[3] is None
     for i in (1, 4, 5, 6):
         assert torch.equal(back[i], objs[i]), i

@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from lpmoe import _sizes
 from lpmoe._async_inputs import ready
 from lpmoe._ext import ext
 from lpmoe.library.routing import OPS, tracing
@@ -114,10 +115,10 @@ def splits_to_offsets(
 
     if tracing():
         bulk = OPS["splits_to_offsets"](splits, n, int(uniform_split or 0), strides, aligns, times_second, second,
-                                        -1 if capacity_rows is None else int(capacity_rows), dev)
+                                        -1 if capacity_rows is None else _sizes.size(capacity_rows), dev)
     else:
         bulk = offsets_bulk(splits, n, int(uniform_split or 0), strides, aligns, times_second, second,
-                            -1 if capacity_rows is None else int(capacity_rows), dev)
+                            -1 if capacity_rows is None else _sizes.size(capacity_rows), dev)
     return _views(bulk, n, len(strides))
 
 

@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from lpmoe import _sizes
 from lpmoe._async_inputs import ready
 from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, capacity_sizes, member_sizes, output_buffer
 from lpmoe.grouped_offsets import splits_to_offsets
@@ -131,8 +132,8 @@ class GroupedTensor:
             num_tensors = int(num_tensors)
         if not isinstance(num_tensors, int) or num_tensors < 1:
             raise ValueError(f"num_tensors must be a positive int, got {num_tensors!r}")
-        logical_shape = tuple(int(d) for d in logical_shape)
-        if len(logical_shape) != 2 or min(logical_shape) < 0:
+        logical_shape = tuple(_sizes.size(d) for d in logical_shape)
+        if len(logical_shape) != 2 or any(d < 0 for d in logical_shape):
             raise ValueError(f"logical_shape must be 2-D and non-negative, got {logical_shape}")
         if dtype not in _HP_DTYPES:
             raise TypeError(f"dtype (the high-precision dtype) must be one of {_HP_DTYPES}, got {dtype}")
@@ -286,7 +287,7 @@ class GroupedTensor:
         dev = self.device
         memo = _OFFSET_SCOPES[-1] if _OFFSET_SCOPES else None
         if memo is not None:
-            key = (kind, n, rows, cols, id(self.first_dims), id(self.last_dims), dev)
+            key = (kind, n, _sizes.key(rows), _sizes.key(cols), id(self.first_dims), id(self.last_dims), dev)
             hit = memo.get(key)
             if hit is not None:
                 self.tensor_offsets, self.padded_row_offsets, self.offsets_status = hit[:3]
@@ -417,7 +418,7 @@ class GroupedTensor:
         """Allocate buffers for ``quantizer`` (None = high precision) able to
         hold any split of ``logical_shape[0]`` rows among the members (same
         shape when ``first_dims`` is None).  Contents are uninitialised."""
-        rows, k = (int(d) for d in logical_shape)
+        rows, k = (_sizes.size(d) for d in logical_shape)
         if device is None:
             device = first_dims.device if first_dims is not None else torch.device("cuda")
         device = torch.device(device)

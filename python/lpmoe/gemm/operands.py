@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from lpmoe import _sizes
 from lpmoe._async_inputs import ready
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.quantizers import Float8BlockQuantizer
@@ -153,7 +154,7 @@ def parse_operands(a, b, kind: str, m_splits: Optional[Sequence[int]] = None) ->
         m_splits = [int(s) for s in m_splits]
         if len(m_splits) != g or min(m_splits, default=0) < 0 or sum(m_splits) > rows:
             raise ValueError(f"m_splits must be {g} non-negative ints summing to at most {rows}, got {m_splits}")
-    return GemmOperands(kind, a, bg, bl, g, int(n), int(k), int(rows), fp8, dtype, dev, m_splits, bs)
+    return GemmOperands(kind, a, bg, bl, g, int(n), int(k), _sizes.size(rows), fp8, dtype, dev, m_splits, bs)
 
 
 def host_splits(ops: GemmOperands) -> List[int]:

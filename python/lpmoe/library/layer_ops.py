@@ -34,6 +34,7 @@ from lpmoe.functional.params import as_inputs, from_inputs, grads_for, is_stacke
 from lpmoe.functional.splits import Splits, parse_splits
 from lpmoe.functional.weights import WeightCache, cache_by_key
 from lpmoe.library import saved_layout, specs
+from lpmoe.library.grouped_codec import symbolic_sizes
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Needs, policy_for
 
@@ -82,8 +83,9 @@ def _needs(v) -> Needs:
 
 
 def _signature(x: Tensor, m_splits: Optional[Tensor], params: List[Tensor]) -> str:
+    # No token count: one saved layout serves every count (dynamic shapes).
     s = "host" if m_splits is None else f"{m_splits.dtype}@{m_splits.device.type}"
-    return f"{tuple(x.shape)}|{x.dtype}|{x.device.type}|{s}|{len(params)}|{tuple(params[0].shape)}"
+    return f"{tuple(x.shape[1:])}|{x.dtype}|{x.device.type}|{s}|{len(params)}|{tuple(params[0].shape)}"
 
 
 # =============================================================== linear
@@ -117,7 +119,7 @@ def _linear_forward(x, m_splits, host, weights, biases, config, fake):
     out, objs = lin.linear_forward_impl(x, splits, from_inputs(weights, cfg.stacked),
                                         from_inputs(biases, cfg.stacked) if biases else None, cfg)
     key = config + "|" + _signature(x, m_splits, weights)
-    return out, saved_layout.flatten(key, objs, _linear_inputs(x, m_splits, weights, biases), fake)
+    return out, saved_layout.flatten(key, objs, _linear_inputs(x, m_splits, weights, biases), fake, x.shape[0])
 
 
 @torch.library.custom_op("lpmoe::grouped_linear", mutates_args=())
@@ -128,7 +130,8 @@ def _grouped_linear(x: Tensor, m_splits: Optional[Tensor], host_splits: Optional
 
 @_grouped_linear.register_fake
 def _(x, m_splits, host_splits, weights, biases, config):
-    return _linear_forward(x, m_splits, host_splits, weights, biases or None, config, fake=True)
+    with symbolic_sizes():
+        return _linear_forward(x, m_splits, host_splits, weights, biases or None, config, fake=True)
 
 
 def _linear_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake):
@@ -141,7 +144,7 @@ def _linear_backward_run(grad, saved, m_splits, host, config, key, num_inputs, f
         out += [torch.empty((g, n, k), dtype=dtype, device=grad.device)] if need.wgrad else []
         return out + ([torch.empty((g, n), dtype=dtype, device=grad.device)] if need.dbias else [])
     CALLS["grouped_linear_backward"] += 1
-    sx, sw = saved_layout.rebuild(key, saved, num_inputs)
+    sx, sw = saved_layout.rebuild(key, saved, num_inputs, grad.shape[0])
     splits = _splits(m_splits, host, g, grad.shape[0], grad.device, False)
     dx, w_grads, b_grads = lin.linear_backward_impl(grad, sx, sw, splits, _linear_config(c, False), (g, n, k), dtype)
     return ([dx] if need.dgrad else []) + ([w_grads] if need.wgrad else []) + ([b_grads] if need.dbias else [])
@@ -245,7 +248,7 @@ def _mlp_forward(x, probs, m_splits, host, w1, b1, w2, b2, config, fake):
     params = list(w1) + list(b1 or []) + list(w2) + list(b2 or [])
     y, objs = mlp.mlp_forward_impl(x, probs, splits, params, cfg)
     key = config + "|" + _signature(x, m_splits, w1 + w2)
-    return y, saved_layout.flatten(key, objs, _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2), fake)
+    return y, saved_layout.flatten(key, objs, _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2), fake, x.shape[0])
 
 
 @torch.library.custom_op("lpmoe::grouped_mlp", mutates_args=())
@@ -257,7 +260,8 @@ def _grouped_mlp(x: Tensor, probs: Optional[Tensor], m_splits: Optional[Tensor],
 
 @_grouped_mlp.register_fake
 def _(x, probs, m_splits, host_splits, w1, b1, w2, b2, config):
-    return _mlp_forward(x, probs, m_splits, host_splits, w1, b1 or None, w2, b2 or None, config, fake=True)
+    with symbolic_sizes():
+        return _mlp_forward(x, probs, m_splits, host_splits, w1, b1 or None, w2, b2 or None, config, fake=True)
 
 
 def _mlp_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake):
@@ -277,7 +281,7 @@ def _mlp_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake
             out += [torch.empty((g, n), dtype=dtype, device=dev)] if need.dbias else []
         return out
     CALLS["grouped_mlp_backward"] += 1
-    objs = dict(zip(mlp.SAVED, saved_layout.rebuild(key, saved, num_inputs)))
+    objs = dict(zip(mlp.SAVED, saved_layout.rebuild(key, saved, num_inputs, grad.shape[0])))
     del saved
     splits = _splits(m_splits, host, g, grad.shape[0], grad.device, False)
     dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype)

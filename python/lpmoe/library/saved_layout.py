@@ -35,7 +35,7 @@ import torch
 
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library import specs
-from lpmoe.library.grouped_codec import FIELDS, meta_of
+from lpmoe.library.grouped_codec import FIELDS
 
 __all__ = ["flatten", "inputs_to_save", "rebuild", "LAYOUTS", "CALLS", "FORMAT"]
 
@@ -64,7 +64,11 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _small_view(t: torch.Tensor) -> bool:
-    """t is part of a storage of at most _SMALL_BUFFER bytes."""
+    """t is part of a storage of at most _SMALL_BUFFER bytes.  Only int64
+    buffers (offset arrays: sized by the member count, never by the token
+    count) qualify, so the layout stays the same for every token count."""
+    if t.dtype != torch.int64:
+        return False
     nbytes = t.untyped_storage().nbytes()
     return nbytes <= _SMALL_BUFFER and not (t.storage_offset() == 0 and t.is_contiguous() and
                                             t.numel() * t.element_size() == nbytes)
@@ -75,8 +79,39 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
 
 
+#: the token-count marker in a layout's GroupedTensor shapes
+TOKENS = "T"
+
+
+def _same_size(a, b) -> bool:
+    # Symbolic sizes compare by expression (no guard is added); ints by value.
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and str(a) == str(b)
+    return a == b
+
+
+def _canonical_shape(g: GroupedTensor, tokens) -> tuple:
+    """g's logical shape with the call's token count written as TOKENS for a
+    group of token rows (split by routing: it has first_dims), so one layout
+    serves every token count (torch.compile with dynamic shapes traces the
+    layer once for all of them)."""
+    rows, cols = g.logical_shape
+    if g.first_dims is not None and tokens is not None and _same_size(rows, tokens):
+        rows = TOKENS
+    # Any other symbolic size is specialized (a guard on its value): correct
+    # for every call, recompiled when it changes.
+    return (rows if rows == TOKENS else int(rows), int(cols))
+
+
+def _layout_meta(g: GroupedTensor, tokens) -> str:
+    return specs.json_constant({"n": g.num_tensors, "shape": list(_canonical_shape(g, tokens)),
+                                "dtype": specs.dtype_name(g.dtype), "q": specs.encode(g.quantizer),
+                                "swz": g.with_gemm_swizzled_scales})
+
+
 class _Flattener:
-    def __init__(self, inputs: Dict[str, torch.Tensor]):
+    def __init__(self, inputs: Dict[str, torch.Tensor], tokens=None):
+        self.tokens = tokens
         self.by_id = {id(t): path for path, t in inputs.items() if t is not None}
         self.input_storages = {_storage(t) for t in inputs.values() if t is not None}
         self.fresh: List[torch.Tensor] = []
@@ -130,23 +165,26 @@ class _Flattener:
                 if keep and t is None:
                     raise RuntimeError(f"lpmoe: saved GroupedTensor lacks {f} that the traced layout has")
                 refs.append(self.ref(t) if keep else None)
-            return ("g", tuple(refs), meta_of(obj))
+            return ("g", tuple(refs), _layout_meta(obj, self.tokens))
         raise TypeError(f"cannot save a {type(obj).__name__} for backward")
 
 
-def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor], fake: bool = False) -> List[torch.Tensor]:
+def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor], fake: bool = False,
+            tokens=None) -> List[torch.Tensor]:
     """Fresh tensors of ``objs``; records (or follows) the layout under
     ``key``.  ``fake``: the call runs on fake tensors (tracing): no plan is
-    recorded from it."""
+    recorded from it.  ``tokens``: the call's token count (an int, or a
+    SymInt while tracing with dynamic shapes); token-row groups record it
+    as TOKENS, and ``key`` must not contain it."""
     plan = _PLANS.get(key)
     if plan is not None and not fake:
-        fresh = plan.gather(objs, inputs)
+        fresh = plan.gather(objs, inputs, tokens)
         if fresh is not None:
             CALLS["planned"] += 1
             return fresh
     CALLS["walked"] += 1
     known = LAYOUTS.get(key)
-    fl = _Flattener(inputs)
+    fl = _Flattener(inputs, tokens)
     entries = []
     for i, obj in enumerate(objs):
         want = None
@@ -160,14 +198,15 @@ def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor], fake: boo
         raise RuntimeError("lpmoe: the saved tensors of this call differ from the traced ones "
                            f"({layout} vs {known}); please report this")
     if not fake and plan is None:
-        _PLANS[key] = _Plan(layout, objs, fl)
+        _PLANS[key] = _Plan(layout, objs, fl, tokens)
     return fl.fresh
 
 
-def _static_of(g: GroupedTensor) -> tuple:
-    # What meta_of encodes, compared without writing JSON (quantizers carry
-    # their JSON from construction: lpmoe._value_fields).
-    return (g.num_tensors, g.logical_shape, g.dtype, specs.encode(g.quantizer), g.with_gemm_swizzled_scales)
+def _static_of(g: GroupedTensor, tokens) -> tuple:
+    # What _layout_meta encodes, compared without writing JSON (quantizers
+    # carry their JSON from construction: lpmoe._value_fields).
+    return (g.num_tensors, _canonical_shape(g, tokens), g.dtype, specs.encode(g.quantizer),
+            g.with_gemm_swizzled_scales)
 
 
 class _Plan:
@@ -177,7 +216,7 @@ class _Plan:
     (3, buffer ref, shape, stride, offset) a view into a small buffer that
     goes out whole."""
 
-    def __init__(self, layout: tuple, objs: Sequence, fl: _Flattener):
+    def __init__(self, layout: tuple, objs: Sequence, fl: _Flattener, tokens):
         cloned = [f is not t for f, t in zip(fl.fresh, fl.originals)]
         self._seen_new = set()
         self.steps = []
@@ -190,7 +229,7 @@ class _Plan:
                 self.steps.append(("l", tuple(self._ref(r, cloned) for r in e[1]), None))
             else:
                 refs = tuple((f, self._ref(r, cloned)) for f, r in zip(FIELDS, e[1]) if r is not None)
-                self.steps.append(("g", refs, _static_of(obj)))
+                self.steps.append(("g", refs, _static_of(obj, tokens)))
 
     def _ref(self, r, cloned):
         if r[0] == "in":
@@ -203,7 +242,7 @@ class _Plan:
         self._seen_new.add(idx)
         return (1, cloned[idx])
 
-    def gather(self, objs: Sequence, inputs: Dict[str, torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    def gather(self, objs: Sequence, inputs: Dict[str, torch.Tensor], tokens) -> Optional[List[torch.Tensor]]:
         """The fresh tensors, or None where this call deviates from the plan."""
         if len(objs) != len(self.steps):
             return None
@@ -243,7 +282,7 @@ class _Plan:
                 ok = isinstance(obj, (list, tuple)) and len(obj) == len(refs) and \
                     all(take(t, r) for t, r in zip(obj, refs))
             else:
-                ok = isinstance(obj, GroupedTensor) and _static_of(obj) == static and \
+                ok = isinstance(obj, GroupedTensor) and _static_of(obj, tokens) == static and \
                     all(take(getattr(obj, f), r) for f, r in refs)
             if not ok:
                 return None
@@ -295,8 +334,9 @@ def inputs_to_save(key: str, inputs: Dict[str, torch.Tensor]) -> Tuple[List[torc
     return [inputs[p] for p in paths], len(paths)
 
 
-def rebuild(key: str, saved: Sequence[torch.Tensor], num_inputs: int) -> list:
-    """The saved objects from ``inputs_to_save`` + the op's fresh tensors."""
+def rebuild(key: str, saved: Sequence[torch.Tensor], num_inputs: int, tokens: int) -> list:
+    """The saved objects from ``inputs_to_save`` + the op's fresh tensors;
+    ``tokens``: the call's token count (the rows of TOKENS groups)."""
     paths, steps = _rebuild_plan(key)
     if num_inputs != len(paths):
         raise RuntimeError(f"lpmoe: {num_inputs} saved inputs, the layout has {len(paths)}; please report this")
@@ -316,5 +356,7 @@ def rebuild(key: str, saved: Sequence[torch.Tensor], num_inputs: int) -> list:
         elif kind == "l":
             out.append([get(i) for i in ref])
         else:
+            n, (rows, cols), dtype, q, swz = static
+            static = (n, (tokens if rows == TOKENS else rows, cols), dtype, q, swz)
             out.append(GroupedTensor._rebuild(static, {f: get(i) for f, i in ref}))
     return out
