@@ -107,6 +107,8 @@ def _as_grouped_input(x, num_tensors, first_dims, tensor_offsets, last_dims=None
         if num_tensors is not None and num_tensors != x.num_tensors:
             raise ValueError(f"num_tensors={num_tensors} but x has {x.num_tensors} members")
         return x
+    if isinstance(num_tensors, torch.SymInt):  # traced: member counts are static
+        num_tensors = int(num_tensors)
     if not isinstance(num_tensors, int) or num_tensors < 1:
         raise ValueError(f"num_tensors must be a positive int, got {num_tensors!r}")
     for name, d in (("first_dims", first_dims), ("last_dims", last_dims)):

@@ -12,6 +12,7 @@ from typing import Tuple, Union
 
 import torch
 
+from lpmoe import _sizes
 from lpmoe._value_fields import ValueFields
 
 __all__ = [
@@ -49,9 +50,10 @@ def resolve_fp8_dtype(fp8_dtype: Union[str, torch.dtype]) -> torch.dtype:
 
 
 def _check_shape(shape) -> Tuple[int, int]:
-    if len(shape) != 2 or any((not isinstance(d, int)) or d < 0 for d in shape):
+    # SymInts (a dynamic token count while tracing) stay symbolic
+    if len(shape) != 2 or any((not isinstance(d, (int, torch.SymInt))) or d < 0 for d in shape):
         raise ValueError(f"shape must be a 2-D (M, K) of non-negative ints, got {tuple(shape)!r}")
-    return int(shape[0]), int(shape[1])
+    return _sizes.size(shape[0]), _sizes.size(shape[1])
 
 
 class Quantizer(ValueFields):

@@ -18,7 +18,7 @@ class Splits:
 
     @property
     def num(self) -> int:
-        return self.device.numel()
+        return int(self.device.numel())  # member counts are static (a SymInt while tracing is specialized)
 
     @property
     def graph_safe(self) -> bool:
