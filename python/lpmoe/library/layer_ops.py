@@ -8,9 +8,11 @@ compiled model therefore holds one opaque node per layer and direction:
 Dynamo and Inductor never trace lpmoe's Python, and the kernels, recipes
 and routing behave exactly as in eager mode (bitwise).
 
-Static configuration (recipe, activation, gradient needs, shapes) travels as
-a JSON string, constant per call site: changing routing (device m_splits
-values) never recompiles.  The forward returns y plus the fresh tensors the
+Static configuration (recipe, activation, gradient needs, weight shapes)
+travels as a JSON string, constant per call site: changing routing (device
+m_splits values) never recompiles, and with dynamic shapes neither does a
+new token count (the fakes keep it symbolic, and the saved layout does not
+depend on it).  The forward returns y plus the fresh tensors the
 backward reads (lpmoe.library.saved_layout); inputs the backward reads (x,
 parameters, probs, splits) are saved by ``setup_context``.  The fake
 implementation is the forward itself run on fake tensors: every inner call
