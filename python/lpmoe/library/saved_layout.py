@@ -42,8 +42,10 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "LAYOUTS", "CALLS", "FORMAT"]
 #: Version of what the layer ops return for their backward.  It is part of
 #: every layer op's configuration string, a constant of the compiled graph,
 #: so compiled artifacts cached on disk by an lpmoe with another saved
-#: layout miss the cache instead of failing Inductor's output checks.
-FORMAT = 2
+#: layout miss the cache instead of failing Inductor's output checks
+#: (3: layout keys without the token count; a cached backward with an old
+#: key raised KeyError in LAYOUTS).
+FORMAT = 3
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}
