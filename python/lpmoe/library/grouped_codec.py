@@ -61,10 +61,12 @@ def _size_from_meta(d):
     return _SYMBOLS[-1][int(d[1:])] if isinstance(d, str) else d
 
 
-def meta_of(g: GroupedTensor) -> str:
-    return specs.json_constant({"n": g.num_tensors, "shape": [_dim(d) for d in g.logical_shape],
-                                "dtype": specs.dtype_name(g.dtype), "q": specs.encode(g.quantizer),
-                                "swz": g.with_gemm_swizzled_scales})
+def meta_of(g: GroupedTensor, shape=None) -> str:
+    """g's static part as a string; ``shape`` replaces its logical shape (the
+    saved layout writes the token count as a marker)."""
+    shape = [_dim(d) for d in g.logical_shape] if shape is None else list(shape)
+    return specs.json_constant({"n": g.num_tensors, "shape": shape, "dtype": specs.dtype_name(g.dtype),
+                                "q": specs.encode(g.quantizer), "swz": g.with_gemm_swizzled_scales})
 
 
 def pack(g: GroupedTensor) -> Tuple[List[Optional[torch.Tensor]], str]:

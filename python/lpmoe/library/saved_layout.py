@@ -35,7 +35,7 @@ import torch
 
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library import specs
-from lpmoe.library.grouped_codec import FIELDS
+from lpmoe.library.grouped_codec import FIELDS, meta_of
 
 __all__ = ["flatten", "inputs_to_save", "rebuild", "LAYOUTS", "CALLS", "FORMAT"]
 
@@ -105,12 +105,6 @@ def _canonical_shape(g: GroupedTensor, tokens) -> tuple:
     return (rows if rows == TOKENS else int(rows), int(cols))
 
 
-def _layout_meta(g: GroupedTensor, tokens) -> str:
-    return specs.json_constant({"n": g.num_tensors, "shape": list(_canonical_shape(g, tokens)),
-                                "dtype": specs.dtype_name(g.dtype), "q": specs.encode(g.quantizer),
-                                "swz": g.with_gemm_swizzled_scales})
-
-
 class _Flattener:
     def __init__(self, inputs: Dict[str, torch.Tensor], tokens=None):
         self.tokens = tokens
@@ -167,7 +161,7 @@ class _Flattener:
                 if keep and t is None:
                     raise RuntimeError(f"lpmoe: saved GroupedTensor lacks {f} that the traced layout has")
                 refs.append(self.ref(t) if keep else None)
-            return ("g", tuple(refs), _layout_meta(obj, self.tokens))
+            return ("g", tuple(refs), meta_of(obj, _canonical_shape(obj, self.tokens)))
         raise TypeError(f"cannot save a {type(obj).__name__} for backward")
 
 
@@ -205,7 +199,7 @@ def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor], fake: boo
 
 
 def _static_of(g: GroupedTensor, tokens) -> tuple:
-    # What _layout_meta encodes, compared without writing JSON (quantizers
+    # What a layout entry's meta_of encodes, compared without writing JSON (quantizers
     # carry their JSON from construction: lpmoe._value_fields).
     return (g.num_tensors, _canonical_shape(g, tokens), g.dtype, specs.encode(g.quantizer),
             g.with_gemm_swizzled_scales)
