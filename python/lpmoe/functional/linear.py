@@ -52,7 +52,7 @@ from lpmoe._async_inputs import ready
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
-from lpmoe.functional.linear_steps import backward_steps, linear_forward
+from lpmoe.functional.linear_steps import backward_steps, fused_wgrad_results, linear_forward, main_grads_of
 from lpmoe.functional.params import (Params, any_requires_grad, as_inputs, from_inputs, grads_for, input_count,
                                      is_stacked)
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
@@ -90,14 +90,14 @@ def linear_forward_impl(x2d: torch.Tensor, splits: Splits, weights, biases, cfg:
 
 @shares_offsets
 def linear_backward_impl(grad_out: torch.Tensor, saved_x, saved_w, splits: Splits, cfg: LinearConfig,
-                         shape: Tuple[int, int, int], dtype: torch.dtype, main_grad_weights=None):
+                         shape: Tuple[int, int, int], dtype: torch.dtype, main_grads=None):
     """(dx or None, weight grads (G, N, K) or None, bias grads (G, N) or None;
     see linear_steps.backward_steps)."""
     need = cfg.need
     dy = grad_out.contiguous()  # e.g. an expanded (stride-0) grad of .sum()
     grad = cfg.policy.grad(dy, splits, need)
     return backward_steps(cfg.policy, grad, saved_x, saved_w, splits, need, shape, dtype=dtype,
-                          main_grad_weights=main_grad_weights)
+                          main_grads=main_grads)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -123,9 +123,12 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         cfg = ctx.cfg
         saved_x, saved_w = saved.load(ctx)
-        dgrad, w_grads, b_grads = linear_backward_impl(grad_out, saved_x, saved_w, ctx.splits, cfg, ctx.shape,
-                                                       ctx.dtype, ctx.main_grad_weights)
+        fused = ctx.main_grad_weights
         ctx.main_grad_weights = None
+        dgrad, w_grads, b_grads = linear_backward_impl(grad_out, saved_x, saved_w, ctx.splits, cfg, ctx.shape,
+                                                       ctx.dtype, None if fused is None else main_grads_of(fused))
+        if fused is not None and cfg.need.wgrad:
+            w_grads = fused_wgrad_results(fused)
         grads = [dgrad, None, None] + grads_for(w_grads, cfg.num, cfg.stacked)
         if cfg.has_bias:
             grads += grads_for(b_grads, cfg.num, cfg.stacked)
@@ -200,6 +203,8 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
     if tracing():
         check_recipe(recipe, inp.dtype, n, k, splits_for_checks(m_splits, g, x2d.shape[0], inp.device), inp.is_cuda,
                      inp.device)
+        if fuse_wgrad_accumulation and grad_enabled:
+            check_main_grads(weights)
         out = OPS["grouped_linear"](x2d.contiguous(), m_splits, weights, biases, recipe, weight_cache,
                                     is_first_microbatch, fuse_wgrad_accumulation, need)
         return out.view(*inp.shape[:-1], n)

@@ -47,24 +47,22 @@ def dgrad_step(policy: LinearPolicy, grad: Grad, saved_w, splits, shape: Tuple[i
                         m_splits=splits.host)
 
 
-def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, dtype: torch.dtype,
-               main_grad_weights: Optional[List[torch.Tensor]] = None):
-    """Weight gradients dy^T . x.  With ``main_grad_weights``
-    (fuse_wgrad_accumulation) they are added into the weights' fp32
-    ``main_grad`` instead of being returned.  Returns a (G, N, K) tensor, or
-    with main_grad_weights what autograd gets (:func:`fused_wgrad_results`),
-    or None (lpmoe.functional.params.grads_for hands them to autograd)."""
+def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, dtype: torch.dtype, main_grads=None):
+    """Weight gradients dy^T . x: a (G, N, K) tensor, or, with ``main_grads``
+    (fuse_wgrad_accumulation: the weights' fp32 gradient buffers, see
+    :func:`main_grads_of`), added into those and None returned; None also
+    when no weight gradient is needed."""
     if not need.wgrad:
         return None
     dy_op = grad.take("wgrad")
 
     def run(out, accumulate):
-        out_dtype = None if out is not None else (torch.float32 if main_grad_weights else dtype)
+        out_dtype = None if out is not None else (torch.float32 if main_grads is not None else dtype)
         return grouped_gemm(dy_op, wgrad_tokens, kind="wgrad", out=out, accumulate=accumulate,
                             out_dtype=out_dtype, m_splits=splits.host)
-    if main_grad_weights is not None:
-        _accumulate_main_grads(main_grad_weights, run)
-        return fused_wgrad_results(main_grad_weights)
+    if main_grads is not None:
+        _accumulate_main_grads(main_grads, run)
+        return None
     return run(None, False)
 
 
@@ -79,7 +77,7 @@ def bias_step(grad: Grad, splits, need: Needs, dtype: torch.dtype) -> Optional[t
 
 
 def backward_steps(policy: LinearPolicy, grad: Grad, saved_x, saved_w, splits, need: Needs,
-                   shape: Tuple[int, int, int], *, dtype: torch.dtype, main_grad_weights=None):
+                   shape: Tuple[int, int, int], *, dtype: torch.dtype, main_grads=None):
     """One layer's backward from an output gradient its policy prepared:
     (dx, weight grads, bias grads).  wgrad runs first: dy's transposed
     operand (and x's, when the caller drops its own reference) then dies
@@ -87,17 +85,24 @@ def backward_steps(policy: LinearPolicy, grad: Grad, saved_x, saved_w, splits, n
     direction holds one copy at a time."""
     tokens = policy.wgrad_tokens(saved_x, splits) if need.wgrad else None
     del saved_x
-    w_grads = wgrad_step(grad, tokens, splits, need, dtype=dtype, main_grad_weights=main_grad_weights)
+    w_grads = wgrad_step(grad, tokens, splits, need, dtype=dtype, main_grads=main_grads)
     del tokens
     dx = dgrad_step(policy, grad, saved_w, splits, shape) if need.dgrad else None
     return dx, w_grads, bias_step(grad, splits, need, dtype)
 
 
-def _stacked_main_grads(weights) -> Optional[torch.Tensor]:
+def main_grads_of(weights):
+    """The weights' fp32 gradient buffers: one (G, N, K) tensor for a stacked
+    weight, else a list of G (N, K) tensors."""
+    if isinstance(weights, torch.Tensor):
+        return weights.main_grad
+    return [w.main_grad for w in weights]
+
+
+def _stacked_main_grads(mgs: List[torch.Tensor]) -> Optional[torch.Tensor]:
     """The G main_grads as one (G, N, K) view when they are consecutive,
     contiguous pieces of one buffer (as a training framework's flat gradient
     buffer lays them out), else None."""
-    mgs = [w.main_grad for w in weights]
     m0 = mgs[0]
     step = m0.numel()
     for i, m in enumerate(mgs):
@@ -108,22 +113,22 @@ def _stacked_main_grads(weights) -> Optional[torch.Tensor]:
     return m0.as_strided((len(mgs), n, k), (step, k, 1))
 
 
-def _accumulate_main_grads(weights, wgrad_into) -> None:
+def _accumulate_main_grads(main_grads, wgrad_into) -> None:
     """Adds the weight gradients into the weights' main_grads (fp32): in the
     wgrad GEMM's epilogue when the main_grads form one buffer (always, for a
     stacked weight), else through one fp32 product and G adds.  On the GPU
     both add the same fp32 product with one rounding (bitwise equal); the CPU
     reference rounds its fp64 product only once in the fused case."""
-    if isinstance(weights, torch.Tensor):
-        wgrad_into(weights.main_grad, True)
+    if isinstance(main_grads, torch.Tensor):
+        wgrad_into(main_grads, True)
         return
-    stacked = _stacked_main_grads(weights)
+    stacked = _stacked_main_grads(main_grads)
     if stacked is not None:
         wgrad_into(stacked, True)
         return
     tmp = wgrad_into(None, False)
-    for w, t in zip(weights, tmp.unbind(0)):
-        w.main_grad.add_(t)
+    for m, t in zip(main_grads, tmp.unbind(0)):
+        m.add_(t)
 
 
 def fused_wgrad_results(weights):

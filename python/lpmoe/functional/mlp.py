@@ -34,7 +34,7 @@ from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
 from lpmoe.functional.linear import needs_of
-from lpmoe.functional.linear_steps import backward_steps, linear_forward
+from lpmoe.functional.linear_steps import backward_steps, fused_wgrad_results, linear_forward, main_grads_of
 from lpmoe.functional.params import Params, as_inputs, from_inputs, grads_for, input_count, is_stacked
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
@@ -138,7 +138,7 @@ def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, mai
 
     grad2 = pol2.grad(grad_out.contiguous(), splits, need2)
     da, w2_grads, b2_grads = backward_steps(pol2, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
-                                            dtype=dtype, main_grad_weights=main2)
+                                            dtype=dtype, main_grads=main2)
     del grad2
 
     dx, w1_grads, b1_grads, dprobs = None, None, None, None
@@ -158,7 +158,7 @@ def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, mai
                 grad1 = pol1.grad(res.dh, splits, need1) if (need1.dgrad or need1.wgrad) else Grad(hp=res.dh)
             del res
             dx, w1_grads, b1_grads = backward_steps(pol1, grad1, take("x1"), take("w1"), splits, need1,
-                                                    cfg.fc1.shape, dtype=dtype, main_grad_weights=main1)
+                                                    cfg.fc1.shape, dtype=dtype, main_grads=main1)
     return dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads
 
 
@@ -195,8 +195,16 @@ class _GroupedMLP(torch.autograd.Function):
             held = saved.take(ctx, name) if name != "probs" else None  # raises on a second backward
             return held if held is not None else kept.pop(name, None)
 
+        fused1, fused2 = ctx.main_grads
+        ctx.main_grads = (None, None)
         dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads = mlp_backward_impl(
-            grad_out, take, ctx.splits, cfg, ctx.dtype, ctx.main_grads)
+            grad_out, take, ctx.splits, cfg, ctx.dtype, tuple(None if w is None else main_grads_of(w)
+                                                              for w in (fused1, fused2)))
+        need1, need2, _ = cfg.needs
+        if fused1 is not None and need1.wgrad:
+            w1_grads = fused_wgrad_results(fused1)
+        if fused2 is not None and need2.wgrad:
+            w2_grads = fused_wgrad_results(fused2)
         return tuple(mlp_grads_list(cfg, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads, extra_none=2))
 
 
