@@ -18,9 +18,10 @@ parameters, probs, splits) are saved by ``setup_context``.  The fake
 implementation is the forward itself run on fake tensors: every inner call
 then goes to its op's fake, so shapes come from the code that makes them.
 
-Not available under torch.compile (clear error while tracing):
-``fuse_wgrad_accumulation`` (its main_grad attributes are invisible to the
-traced graph).
+``fuse_wgrad_accumulation``: the backward op receives the weights and adds
+their gradients into their ``main_grad`` at run time, as eager does
+(lpmoe.library.fused_main_grads says how, and why not as a declared
+mutation).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from lpmoe.functional.checks import check_recipe
 from lpmoe.functional.params import as_inputs, from_inputs, grads_for, is_stacked, shape_of
 from lpmoe.functional.splits import Splits, parse_splits
 from lpmoe.functional.weights import WeightCache, cache_by_key
+from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
 from lpmoe.library.routing import OPS, tracing
@@ -44,9 +46,6 @@ Tensor = torch.Tensor
 
 #: calls of the layer ops' real implementations (tests prove the op ran)
 CALLS = {"grouped_linear": 0, "grouped_linear_backward": 0, "grouped_mlp": 0, "grouped_mlp_backward": 0}
-
-_NO_FUSE = ("fuse_wgrad_accumulation is not supported under torch.compile: the weights' main_grad attributes "
-            "are not visible to the traced graph; compile without it or run this layer eagerly")
 
 
 def backward_args(op, fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
@@ -59,7 +58,13 @@ def backward_args(op, fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
     ctx = _Ctx()
     (_linear_setup if op is _grouped_linear else _mlp_setup)(ctx, fwd_args, fwd_out)
     host, config, key, k = ctx.meta[:4]
-    return (grad, list(ctx.saved_tensors[1:]), ctx.saved_tensors[0], host, config, key, k)
+    # saved: m_splits, the fused weights (one list per layer), then the rest
+    counts = [ctx.meta[5]] if op is _grouped_linear else list(ctx.meta[6])
+    fused, at = [], 1
+    for n in counts:
+        fused.append(list(ctx.saved_tensors[at:at + n]))
+        at += n
+    return (grad, list(ctx.saved_tensors[at:]), ctx.saved_tensors[0], host, *fused, config, key, k)
 
 
 def _cache_key(cache: Optional[WeightCache], is_first_microbatch) -> int:
@@ -136,32 +141,41 @@ def _(x, m_splits, host_splits, weights, biases, config):
         return _linear_forward(x, m_splits, host_splits, weights, biases or None, config, fake=True)
 
 
-def _linear_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake):
+def _linear_backward_run(grad, saved, m_splits, host, fused, config, key, num_inputs, fake):
     c = specs.parse(config)
     g, n, k = c["shape"]
     need = _needs(c["need"])
+    wgrad_out = need.wgrad and c["fuse"] is None  # fused: added into main_grad instead
     dtype = specs.dtype_from_name(c["dtype"])
     if fake:
         out = [torch.empty((grad.shape[0], k), dtype=dtype, device=grad.device)] if need.dgrad else []
-        out += [torch.empty((g, n, k), dtype=dtype, device=grad.device)] if need.wgrad else []
+        out += [torch.empty((g, n, k), dtype=dtype, device=grad.device)] if wgrad_out else []
         return out + ([torch.empty((g, n), dtype=dtype, device=grad.device)] if need.dbias else [])
     CALLS["grouped_linear_backward"] += 1
+    main_grads = fused_mg.main_grads(fused, c["fuse"], c["stacked"])
     sx, sw = saved_layout.rebuild(key, saved, num_inputs, grad.shape[0])
     splits = _splits(m_splits, host, g, grad.shape[0], grad.device, False)
-    dx, w_grads, b_grads = lin.linear_backward_impl(grad, sx, sw, splits, _linear_config(c, False), (g, n, k), dtype)
-    return ([dx] if need.dgrad else []) + ([w_grads] if need.wgrad else []) + ([b_grads] if need.dbias else [])
+    dx, w_grads, b_grads = lin.linear_backward_impl(grad, sx, sw, splits, _linear_config(c, False), (g, n, k), dtype,
+                                                    main_grads)
+    return ([dx] if need.dgrad else []) + ([w_grads] if wgrad_out else []) + ([b_grads] if need.dbias else [])
 
 
 @torch.library.custom_op("lpmoe::grouped_linear_backward", mutates_args=())
 def _grouped_linear_backward(grad: Tensor, saved: List[Tensor], m_splits: Optional[Tensor],
-                             host_splits: Optional[List[int]], config: str, key: str, num_inputs: int
-                             ) -> List[Tensor]:
-    return _linear_backward_run(grad, saved, m_splits, host_splits, config, key, num_inputs, False)
+                             host_splits: Optional[List[int]], fused: List[Tensor], config: str, key: str,
+                             num_inputs: int) -> List[Tensor]:
+    return _linear_backward_run(grad, saved, m_splits, host_splits, fused, config, key, num_inputs, False)
 
 
 @_grouped_linear_backward.register_fake
-def _(grad, saved, m_splits, host_splits, config, key, num_inputs):
-    return _linear_backward_run(grad, saved, m_splits, host_splits, config, key, num_inputs, True)
+def _(grad, saved, m_splits, host_splits, fused, config, key, num_inputs):
+    return _linear_backward_run(grad, saved, m_splits, host_splits, fused, config, key, num_inputs, True)
+
+
+def _fused_weights(weights: List[Tensor], config: dict) -> List[Tensor]:
+    """The weights whose main_grad a layer's backward op adds into: all of
+    them when the layer is fused, else none."""
+    return list(weights) if config["fuse"] is not None else []
 
 
 def _linear_setup(ctx, inputs, output):
@@ -169,20 +183,25 @@ def _linear_setup(ctx, inputs, output):
     biases = biases or None
     key = config + "|" + _signature(x, m_splits, weights)
     tensors, k = saved_layout.inputs_to_save(key, _linear_inputs(x, m_splits, weights, biases))
-    ctx.save_for_backward(m_splits, *tensors, *output[1])
-    ctx.meta = (host, config, key, k, biases is not None)
+    fused = _fused_weights(weights, specs.parse(config))
+    ctx.save_for_backward(m_splits, *fused, *tensors, *output[1])
+    ctx.meta = (host, config, key, k, biases is not None, len(fused))
 
 
 def _linear_backward(ctx, grad_out, _grad_saved):
-    host, config, key, k, has_bias = ctx.meta
+    host, config, key, k, has_bias, num_fused = ctx.meta
     m_splits, *saved = ctx.saved_tensors
-    args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
+    fused, saved = saved[:num_fused], saved[num_fused:]
+    args = (grad_out.contiguous(), saved, m_splits, host, fused, config, key, k)
     res = _grouped_linear_backward(*args) if tracing() else _linear_backward_run(*args, False)
     c = specs.parse(config)
     need, g, stacked = _needs(c["need"]), c["num"], c["stacked"]
     dx = res.pop(0) if need.dgrad else None
     # list inputs get a list back (autograd checks the structure): Nones where not needed
-    dw = grads_for(res.pop(0) if need.wgrad else None, g, stacked)
+    if c["fuse"] is not None:
+        dw = fused_mg.placeholders(c["fuse"], c["shape"], stacked, grad_out.device)
+    else:
+        dw = grads_for(res.pop(0) if need.wgrad else None, g, stacked)
     db = grads_for(res.pop(0) if need.dbias else None, g, stacked) if has_bias else []
     return dx, None, None, dw, db, None
 
@@ -190,7 +209,8 @@ def _linear_backward(ctx, grad_out, _grad_saved):
 _grouped_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
-def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch, need: Needs) -> tuple:
+def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch, need: Needs,
+                   fuse_wgrad_accumulation: bool = False) -> tuple:
     """Arguments of ``lpmoe::grouped_linear`` for one call."""
     tensor = isinstance(m_splits, torch.Tensor)
     g, n, k = shape_of(weights)
@@ -198,7 +218,8 @@ def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_firs
         "format": saved_layout.FORMAT, "recipe": specs.encode(recipe), "num": g, "bias": biases is not None,
         "stacked": is_stacked(weights), "cache": _cache_key(weight_cache, is_first_microbatch),
         "first": is_first_microbatch, "grad": torch.is_grad_enabled(), "need": [need.dgrad, need.wgrad, need.dbias],
-        "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype)})
+        "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype),
+        "fuse": fused_mg.config_entry(weights, fuse_wgrad_accumulation, need.wgrad)})
     return (x2d, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits], as_inputs(weights),
             as_inputs(biases), config)
 
@@ -206,10 +227,8 @@ def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_firs
 def grouped_linear(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch,
                    fuse_wgrad_accumulation: bool, need: Needs) -> Tensor:
     """lpmoe.functional.grouped_linear while tracing (arguments validated)."""
-    if fuse_wgrad_accumulation and need.wgrad:
-        raise NotImplementedError(_NO_FUSE)
     out, _ = _grouped_linear(*linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache,
-                                             is_first_microbatch, need))
+                                             is_first_microbatch, need, fuse_wgrad_accumulation))
     return out
 
 
@@ -266,11 +285,12 @@ def _(x, probs, m_splits, host_splits, w1, b1, w2, b2, config):
         return _mlp_forward(x, probs, m_splits, host_splits, w1, b1 or None, w2, b2 or None, config, fake=True)
 
 
-def _mlp_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake):
+def _mlp_backward_run(grad, saved, m_splits, host, fused1, fused2, config, key, num_inputs, fake):
     c = specs.parse(config)
     cfg = _mlp_config(c, fake)
     dtype = specs.dtype_from_name(c["dtype"])
     need1, need2, need_probs = cfg.needs
+    wgrad1, wgrad2 = (need.wgrad and c[layer]["fuse"] is None for need, layer in ((need1, "fc1"), (need2, "fc2")))
     g = c["num"]
     if fake:
         dev = grad.device
@@ -278,29 +298,32 @@ def _mlp_backward_run(grad, saved, m_splits, host, config, key, num_inputs, fake
         out = [torch.empty((grad.shape[0], hidden), dtype=dtype, device=dev)] if need1.dgrad else []
         out += [torch.empty((grad.shape[0],), dtype=specs.dtype_from_name(c["probs_dtype"]), device=dev)] \
             if need_probs else []
-        for need, (n, k) in ((need1, (w, hidden)), (need2, (hidden, ffn))):
-            out += [torch.empty((g, n, k), dtype=dtype, device=dev)] if need.wgrad else []
+        for need, wgrad, (n, k) in ((need1, wgrad1, (w, hidden)), (need2, wgrad2, (hidden, ffn))):
+            out += [torch.empty((g, n, k), dtype=dtype, device=dev)] if wgrad else []
             out += [torch.empty((g, n), dtype=dtype, device=dev)] if need.dbias else []
         return out
     CALLS["grouped_mlp_backward"] += 1
+    main_grads = (fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"]),
+                  fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"]))
     objs = dict(zip(mlp.SAVED, saved_layout.rebuild(key, saved, num_inputs, grad.shape[0])))
     del saved
     splits = _splits(m_splits, host, g, grad.shape[0], grad.device, False)
-    dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype)
+    dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype, main_grads)
     out = ([dx] if need1.dgrad else []) + ([dprobs] if need_probs else [])
-    out += ([w1g] if need1.wgrad else []) + ([b1g] if need1.dbias else [])
-    return out + ([w2g] if need2.wgrad else []) + ([b2g] if need2.dbias else [])
+    out += ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
+    return out + ([w2g] if wgrad2 else []) + ([b2g] if need2.dbias else [])
 
 
 @torch.library.custom_op("lpmoe::grouped_mlp_backward", mutates_args=())
 def _grouped_mlp_backward(grad: Tensor, saved: List[Tensor], m_splits: Optional[Tensor],
-                          host_splits: Optional[List[int]], config: str, key: str, num_inputs: int) -> List[Tensor]:
-    return _mlp_backward_run(grad, saved, m_splits, host_splits, config, key, num_inputs, False)
+                          host_splits: Optional[List[int]], fused1: List[Tensor], fused2: List[Tensor], config: str,
+                          key: str, num_inputs: int) -> List[Tensor]:
+    return _mlp_backward_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, num_inputs, False)
 
 
 @_grouped_mlp_backward.register_fake
-def _(grad, saved, m_splits, host_splits, config, key, num_inputs):
-    return _mlp_backward_run(grad, saved, m_splits, host_splits, config, key, num_inputs, True)
+def _(grad, saved, m_splits, host_splits, fused1, fused2, config, key, num_inputs):
+    return _mlp_backward_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, num_inputs, True)
 
 
 def _mlp_setup(ctx, inputs, output):
@@ -308,14 +331,17 @@ def _mlp_setup(ctx, inputs, output):
     b1, b2 = b1 or None, b2 or None
     key = config + "|" + _signature(x, m_splits, w1 + w2)
     tensors, k = saved_layout.inputs_to_save(key, _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2))
-    ctx.save_for_backward(m_splits, *tensors, *output[1])
-    ctx.meta = (host, config, key, k, b1 is not None, b2 is not None)
+    c = specs.parse(config)
+    fused1, fused2 = _fused_weights(w1, c["fc1"]), _fused_weights(w2, c["fc2"])
+    ctx.save_for_backward(m_splits, *fused1, *fused2, *tensors, *output[1])
+    ctx.meta = (host, config, key, k, b1 is not None, b2 is not None, (len(fused1), len(fused2)))
 
 
 def _mlp_backward(ctx, grad_out, _grad_saved):
-    host, config, key, k, has_b1, has_b2 = ctx.meta
+    host, config, key, k, has_b1, has_b2, (n1, n2) = ctx.meta
     m_splits, *saved = ctx.saved_tensors
-    args = (grad_out.contiguous(), saved, m_splits, host, config, key, k)
+    fused1, fused2, saved = saved[:n1], saved[n1:n1 + n2], saved[n1 + n2:]
+    args = (grad_out.contiguous(), saved, m_splits, host, fused1, fused2, config, key, k)
     res = _grouped_mlp_backward(*args) if tracing() else _mlp_backward_run(*args, False)
     c = specs.parse(config)
     need1, need2, need_probs = (_needs(v) if isinstance(v, list) else v for v in c["needs"])
@@ -323,16 +349,23 @@ def _mlp_backward(ctx, grad_out, _grad_saved):
 
     def take(flag, layer):  # list inputs get a list back (autograd checks the structure)
         return grads_for(res.pop(0) if flag else None, g, c[layer]["stacked"])
+
+    def weight_grads(flag, layer):  # fused layers: eager's placeholders (their gradients went into main_grad)
+        lc = c[layer]
+        if lc["fuse"] is None:
+            return take(flag, layer)
+        return fused_mg.placeholders(lc["fuse"], lc["shape"], lc["stacked"], grad_out.device)
     dx = res.pop(0) if need1.dgrad else None
     dprobs = res.pop(0) if need_probs else None
-    w1g = take(need1.wgrad, "fc1")
+    w1g = weight_grads(need1.wgrad, "fc1")
     b1g = take(need1.dbias, "fc1") if has_b1 else []
-    w2g = take(need2.wgrad, "fc2")
+    w2g = weight_grads(need2.wgrad, "fc2")
     b2g = take(need2.dbias, "fc2") if has_b2 else []
     return (dx, dprobs, None, None, w1g, b1g, w2g, b2g, None)
 
 
 _grouped_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+fused_mg.register_side_effects(_grouped_linear_backward, _grouped_mlp_backward)
 
 
 def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_first_microbatch, needs) -> tuple:
@@ -342,13 +375,14 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
     g = shape_of(fc1.weights)[0]
     need1, need2, need_probs = needs
 
-    def layer(lp):
+    def layer(lp, need):
         return {"cache": _cache_key(lp.weight_cache, is_first_microbatch), "bias": lp.biases is not None,
-                "shape": list(shape_of(lp.weights)), "stacked": is_stacked(lp.weights)}
+                "shape": list(shape_of(lp.weights)), "stacked": is_stacked(lp.weights),
+                "fuse": fused_mg.config_entry(lp.weights, lp.fuse_wgrad_accumulation, need.wgrad)}
 
     config = specs.json_constant({
         "format": saved_layout.FORMAT, "recipe": specs.encode(recipe), "act": specs.encode(spec), "num": g,
-        "fc1": layer(fc1), "fc2": layer(fc2), "probs": probs is not None,
+        "fc1": layer(fc1, need1), "fc2": layer(fc2, need2), "probs": probs is not None,
         "probs_dtype": specs.dtype_name(probs.dtype) if probs is not None else None,
         "first": is_first_microbatch, "grad": torch.is_grad_enabled(),
         "needs": [[need1.dgrad, need1.wgrad, need1.dbias], [need2.dgrad, need2.wgrad, need2.dbias], need_probs],
@@ -359,8 +393,6 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
 
 def grouped_mlp(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_first_microbatch, needs) -> Tensor:
     """lpmoe.functional.grouped_mlp while tracing (arguments validated)."""
-    if (fc1.fuse_wgrad_accumulation and needs[0].wgrad) or (fc2.fuse_wgrad_accumulation and needs[1].wgrad):
-        raise NotImplementedError(_NO_FUSE)
     y, _ = _grouped_mlp(*mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs))
     return y
 

@@ -44,8 +44,9 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "LAYOUTS", "CALLS", "FORMAT"]
 #: so compiled artifacts cached on disk by an lpmoe with another saved
 #: layout miss the cache instead of failing Inductor's output checks
 #: (3: layout keys without the token count; a cached backward with an old
-#: key raised KeyError in LAYOUTS).
-FORMAT = 3
+#: key raised KeyError in LAYOUTS; 4: the backward ops take the fused
+#: weights, fuse_wgrad_accumulation under compile).
+FORMAT = 4
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}
