@@ -13,6 +13,7 @@
 #   skipA / skipB  one operand never loaded (confounded: stale shared memory
 #             feeds the tensor cores zeros, which draw less power)
 #   pingpong  math warpgroups take turns issuing their wgmmas (named barriers)
+#   alternate the turn passes when a warpgroup's wgmmas have completed
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 import pathlib, shutil, sys
 root = pathlib.Path(__file__).resolve().parents[2]
@@ -59,6 +60,14 @@ patches["pingpong"] = [(WGMMA, TURN),
                        (MSTART, "  if (wg == 1) cutlass::arch::NamedBarrier::arrive(256, 3);\n" + MSTART),
                        (MEND, "  if (wg == 0) cutlass::arch::NamedBarrier::sync(256, 3);\n" + MEND)]
 patches["pingpong_noload"] = patches["pingpong"] + patches["noload"]
+# alternate: as pingpong, but the turn passes only once this warpgroup's
+# wgmmas have completed, so the tensor pipe never holds both warpgroups'
+# K-blocks at once (pingpong hands over right after issue: both still queue
+# together, execute interleaved and finish together).
+ALT = TURN.replace("      cutlass::arch::NamedBarrier::arrive(256, 3 + (wg ^ 1));\n", "") + \
+    "\n      cutlass::arch::NamedBarrier::arrive(256, 3 + (wg ^ 1));"
+patches["alternate"] = [(WGMMA, ALT)] + patches["pingpong"][1:]
+patches["alternate_noload"] = patches["alternate"] + patches["noload"]
 H = "fp8_gemm/block_scaled.h"
 EXP = "TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
 ALOAD = "tma_load_2d(&tma_a, &full[pos.stage], st, kb * kBlockK, a_row);"
