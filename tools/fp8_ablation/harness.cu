@@ -22,6 +22,8 @@ namespace lpmoe { namespace fp8_gemm {
 template cudaError_t launch_block_scaled<192, 2>(const CUtensorMap&, const CUtensorMap&, DPARAM const BlockScaledParams&, int, cudaStream_t);
 template cudaError_t launch_block_scaled<192, 1>(const CUtensorMap&, const CUtensorMap&, DPARAM const BlockScaledParams&, int, cudaStream_t);
 template cudaError_t launch_block_scaled<160, 2>(const CUtensorMap&, const CUtensorMap&, DPARAM const BlockScaledParams&, int, cudaStream_t);
+template cudaError_t launch_block_scaled<128, 2>(const CUtensorMap&, const CUtensorMap&, DPARAM const BlockScaledParams&, int, cudaStream_t);
+template cudaError_t launch_block_scaled<128, 1>(const CUtensorMap&, const CUtensorMap&, DPARAM const BlockScaledParams&, int, cudaStream_t);
 }}
 using namespace lpmoe::fp8_gemm;
 #ifndef OLD_SIGNATURE
@@ -81,7 +83,7 @@ int main(int argc, char** argv) {
   p.row = row; p.pad4 = pad4; p.num_groups = G; p.n_cols = N; p.k_red = K;
   p.a_scale = as; p.b_scale = bs; p.b_scale_member = int64_t(nkb) * b_ld; p.b_scale_ld = b_ld; p.d = d;
   const double flops = 2.0 * rows * N * K;
-  struct Cfg { int bn, cl; } cfgs[] = {{192, 2}, {192, 1}, {160, 2}};
+  struct Cfg { int bn, cl; } cfgs[] = {{192, 2}, {192, 1}, {160, 2}, {128, 2}, {128, 1}};
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
   for (auto c : cfgs) {
     CUtensorMap ma, mb, md;
@@ -95,6 +97,7 @@ int main(int argc, char** argv) {
     const int grid = int(std::min<int64_t>(max_ctas, sms / c.cl * c.cl));
     auto launch = [&]() {
       if (c.bn == 192) return c.cl == 2 ? launch_block_scaled<192, 2>(ma, mb, DARG p, grid, 0) : launch_block_scaled<192, 1>(ma, mb, DARG p, grid, 0);
+      if (c.bn == 128) return c.cl == 2 ? launch_block_scaled<128, 2>(ma, mb, DARG p, grid, 0) : launch_block_scaled<128, 1>(ma, mb, DARG p, grid, 0);
       return launch_block_scaled<160, 2>(ma, mb, DARG p, grid, 0);
     };
     for (int i = 0; i < 5; ++i) CK(launch());

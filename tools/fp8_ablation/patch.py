@@ -14,6 +14,7 @@
 #             feeds the tensor cores zeros, which draw less power)
 #   pingpong  math warpgroups take turns issuing their wgmmas (named barriers)
 #   alternate the turn passes when a warpgroup's wgmmas have completed
+#   twoacc    next K-block's wgmmas in flight during the promotion (BlockN <= 128)
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 import pathlib, shutil, sys
 root = pathlib.Path(__file__).resolve().parents[2]
@@ -68,6 +69,74 @@ ALT = TURN.replace("      cutlass::arch::NamedBarrier::arrive(256, 3 + (wg ^ 1))
     "\n      cutlass::arch::NamedBarrier::arrive(256, 3 + (wg ^ 1));"
 patches["alternate"] = [(WGMMA, ALT)] + patches["pingpong"][1:]
 patches["alternate_noload"] = patches["alternate"] + patches["noload"]
+# twoacc: each warpgroup keeps its next K-block's wgmmas in flight while it
+# promotes the current one (two scratch accumulators; only BlockN <= 128
+# fits the registers, wider tiles keep the base loop).
+KLOOP_OLD = """    for (int kb = 0; kb < nkb; ++kb) {
+      Barrier::wait(&full[pos.stage], pos.phase);
+      const uint8_t* st = smem + pos.stage * L::kStageBytes;
+      // Scales from shared memory, read before the wgmma fence (which would
+      // otherwise wait on the loads).  Rows past the group read stale values
+      // and are dropped by the epilogue.
+      const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + pos.stage * kBlockM;
+      const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
+      const float sb0 = sb[kb], sb1 = sb[nkb + kb];
+      const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
+      const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
+      kblock_wgmma<BlockN>(da, db, acc);
+      // This warp's wgmmas have read the stage: hand it back to the producer.
+      release_stage<Cluster>(&empty[pos.stage], lane);
+      promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
+      pos.next();
+    }
+"""
+KLOOP_NEW = """    if constexpr (BlockN <= 128) {
+      float acc2[BlockN / 2];
+      float a0[2], a1[2];  // A scales of the batch in acc (0) / acc2 (1)
+      auto issue = [&](float (&dst)[BlockN / 2], const RingPos<kStages>& at, float& s0, float& s1) {
+        Barrier::wait(&full[at.stage], at.phase);
+        const uint8_t* st = smem + at.stage * L::kStageBytes;
+        const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + at.stage * kBlockM;
+        s0 = sa[row_in_tile]; s1 = sa[row_in_tile + 8];
+        const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
+        const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
+#pragma unroll
+        for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(dst[i]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int ks = 0; ks < kBlockK / kWgmmaK; ++ks) wgmma_fp8<BlockN>(advance_k(da, ks), advance_k(db, ks), dst, ks > 0);
+        cute::warpgroup_commit_batch();
+#pragma unroll
+        for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(dst[i]);
+      };
+      // nkb even (every harness shape): pairs of K-blocks, acc then acc2
+      auto retire = [&](float (&src)[BlockN / 2], int kb, float s0, float s1) {
+#pragma unroll
+        for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(src[i]);
+        release_stage<Cluster>(&empty[pos.stage], lane);
+        const float sb0 = sb[kb], sb1 = sb[nkb + kb];
+        promote_dispatch<BlockN>(split, res, src, s0 * sb0, s0 * sb1, s1 * sb0, s1 * sb1);
+        pos.next();
+      };
+      RingPos<kStages> nx = pos;
+      issue(acc, nx, a0[0], a1[0]); nx.next();
+      for (int kb = 0; kb + 2 < nkb; kb += 2) {
+        issue(acc2, nx, a0[1], a1[1]); nx.next();
+        cute::warpgroup_wait<1>();
+        retire(acc, kb, a0[0], a1[0]);
+        issue(acc, nx, a0[0], a1[0]); nx.next();
+        cute::warpgroup_wait<1>();
+        retire(acc2, kb + 1, a0[1], a1[1]);
+      }
+      issue(acc2, nx, a0[1], a1[1]);
+      cute::warpgroup_wait<1>();
+      retire(acc, nkb - 2, a0[0], a1[0]);
+      cute::warpgroup_wait<0>();
+      retire(acc2, nkb - 1, a0[1], a1[1]);
+    } else {
+""" + KLOOP_OLD.replace("\n    ", "\n      ").replace("    for (int kb", "      for (int kb", 1) + "    }\n"
+patches["twoacc"] = [(KLOOP_OLD, KLOOP_NEW)]
+patches["twoacc_noload"] = patches["twoacc"] + patches["noload"]
 H = "fp8_gemm/block_scaled.h"
 EXP = "TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
 ALOAD = "tma_load_2d(&tma_a, &full[pos.stage], st, kb * kBlockK, a_row);"
