@@ -120,13 +120,24 @@ KLOOP_NEW = """    if constexpr (BlockN <= 128) {
       };
       RingPos<kStages> nx = pos;
       issue(acc, nx, a0[0], a1[0]); nx.next();
-      for (int kb = 0; kb + 2 < nkb; kb += 2) {
+      auto pair = [&](int kb) {
         issue(acc2, nx, a0[1], a1[1]); nx.next();
         cute::warpgroup_wait<1>();
         retire(acc, kb, a0[0], a1[0]);
         issue(acc, nx, a0[0], a1[0]); nx.next();
         cute::warpgroup_wait<1>();
         retire(acc2, kb + 1, a0[1], a1[1]);
+      };
+      // Fully unrolled for the harness's K (ptxas serializes a batch in
+      // flight across a loop back edge); other K: trap (experiment only).
+      if (nkb == 56) {
+#pragma unroll
+        for (int kb = 0; kb + 2 < 56; kb += 2) pair(kb);
+      } else if (nkb == 16) {
+#pragma unroll
+        for (int kb = 0; kb + 2 < 16; kb += 2) pair(kb);
+      } else {
+        __trap();
       }
       issue(acc2, nx, a0[1], a1[1]);
       cute::warpgroup_wait<1>();
