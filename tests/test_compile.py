@@ -367,7 +367,8 @@ def test_compile_gpu_bitwise_and_no_recompile(recipe):
 @pytest.mark.parametrize("recipe", GPU_RECIPES[:2], ids=repr)
 def test_compile_gpu_dynamic_token_counts(recipe):
     """CUDA kernels under one dynamic-shape compilation: new token counts
-    and routings, bitwise equal to eager, no recompilation."""
+    and routings, bitwise equal to eager, no recompilation; a compiled
+    step at a new token count makes no host sync."""
     mlp, lin = _gpu_modules(recipe)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     cm = torch.compile(mlp, fullgraph=True, dynamic=True, backend=counter)
@@ -380,6 +381,16 @@ def test_compile_gpu_dynamic_token_counts(recipe):
         _assert_equal(_run(cm, x, s, probs, recipe), _run(mlp, x, s, probs, recipe))
         _assert_equal(_run(cl, x, s, None, recipe), _run(lin, x, s, None, recipe))
     assert counter.frame_count == 2, "one compilation per module for every token count"
+    s = torch.tensor([100, 0, 0, 300, 1, 129, 0, 670], device="cuda")  # 1200 rows: a count not seen yet
+    x, probs = _x(1200, 256, device="cuda", seed=9), torch.rand(1200, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run(cm, x, s, probs, recipe)
+        _run(cl, x, s, None, recipe)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert counter.frame_count == 2
 
 
 @requires_cuda
