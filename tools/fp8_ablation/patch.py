@@ -15,6 +15,7 @@
 #   pingpong  math warpgroups take turns issuing their wgmmas (named barriers)
 #   alternate the turn passes when a warpgroup's wgmmas have completed
 #   twoacc    next K-block's wgmmas in flight during the promotion (BlockN <= 128)
+#   unroll    K loop over ring turns, stage index known at compile time
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 import pathlib, shutil, sys
 root = pathlib.Path(__file__).resolve().parents[2]
@@ -147,6 +148,34 @@ KLOOP_NEW = """    if constexpr (BlockN <= 128) {
     } else {
 """ + KLOOP_OLD.replace("\n    ", "\n      ").replace("    for (int kb", "      for (int kb", 1) + "    }\n"
 patches["twoacc"] = [(KLOOP_OLD, KLOOP_NEW)]
+# unroll: the K loop over ring turns with the stage a compile-time index, as
+# DeepGEMM's (constant stage offsets for the barriers, the A scales and the
+# descriptors; the phase flips once per turn).  With nkb a multiple of the
+# stage count the ring is at stage 0 at every tile start, so the producer is
+# unchanged; other nkb trap (experiment only).
+KLOOP_UNROLL = """    if (nkb % kStages != 0 || pos.stage != 0) __trap();
+    uint32_t phase = pos.phase;
+    for (int kt = 0; kt < nkb; kt += kStages, phase ^= 1u) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) {
+        const int kb = kt + s;
+        Barrier::wait(&full[s], phase);
+        const uint8_t* st = smem + s * L::kStageBytes;
+        const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + s * kBlockM;
+        const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
+        const float sb0 = sb[kb], sb1 = sb[nkb + kb];
+        const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
+        const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
+        kblock_wgmma<BlockN>(da, db, acc);
+        release_stage<Cluster>(&empty[s], lane);
+        promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
+        asm volatile("" ::: "memory");  // keep the compiler from hoisting the next stage's work
+      }
+    }
+    pos.phase = phase;
+"""
+patches["unroll"] = [(KLOOP_OLD, KLOOP_UNROLL)]
+patches["unroll_noload"] = patches["unroll"] + patches["noload"]
 patches["twoacc_noload"] = patches["twoacc"] + patches["noload"]
 H = "fp8_gemm/block_scaled.h"
 EXP = "TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
