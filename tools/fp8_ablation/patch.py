@@ -16,6 +16,7 @@
 #   alternate the turn passes when a warpgroup's wgmmas have completed
 #   twoacc    next K-block's wgmmas in flight during the promotion (BlockN <= 128)
 #   unroll    K loop over ring turns, stage index known at compile time
+#   unroll2   the same, with the weight-scale split chosen once per tile
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 import pathlib, shutil, sys
 root = pathlib.Path(__file__).resolve().parents[2]
@@ -175,6 +176,50 @@ KLOOP_UNROLL = """    if (nkb % kStages != 0 || pos.stage != 0) __trap();
     pos.phase = phase;
 """
 patches["unroll"] = [(KLOOP_OLD, KLOOP_UNROLL)]
+# unroll2: as unroll, with the weight-scale split chosen once per tile (one
+# K loop per split value) instead of a branch per K-block.
+SPLIT_DISPATCH = """template <int BlockN, int Split = 128, class F>
+__device__ __forceinline__ void split_dispatch(int split, F&& f) {
+  constexpr int kStep = BlockScaledLayout<BlockN>::gcd128(BlockN);
+  if constexpr (Split - kStep <= 0) {
+    f(std::integral_constant<int, Split>{});
+  } else {
+    if (split == Split) f(std::integral_constant<int, Split>{});
+    else split_dispatch<BlockN, Split - kStep>(split, f);
+  }
+}
+
+// The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue."""
+KLOOP_UNROLL2 = """    if (nkb % kStages != 0 || pos.stage != 0) __trap();
+    split_dispatch<BlockN>(split, [&](auto split_tag) {
+      constexpr int kSplit = decltype(split_tag)::value;
+      uint32_t phase = pos.phase;
+      for (int kt = 0; kt < nkb; kt += kStages, phase ^= 1u) {
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+          const int kb = kt + s;
+          Barrier::wait(&full[s], phase);
+          const uint8_t* st = smem + s * L::kStageBytes;
+          const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + s * kBlockM;
+          const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
+          const float sb0 = sb[kb], sb1 = sb[nkb + kb];
+          const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
+          const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
+          kblock_wgmma<BlockN>(da, db, acc);
+          release_stage<Cluster>(&empty[s], lane);
+          promote<BlockN, kSplit>(res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
+        }
+      }
+      pos.phase = phase;
+    });
+"""
+patches["unroll2"] = [(KLOOP_OLD, KLOOP_UNROLL2), ("// The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue.", SPLIT_DISPATCH)]
+patches["unroll2_noload"] = patches["unroll2"] + patches["noload"]
+# unroll2r: unroll2 with DeepGEMM's register split (producer 40, math 232)
+MW = "fp8_gemm/math_warpgroup.cuh"
+patches["unroll2r"] = patches["unroll2"] + [("M:constexpr int kProducerRegs = 56;", "constexpr int kProducerRegs = 40;"),
+                                            ("M:constexpr int kMathRegs = 224;", "constexpr int kMathRegs = 232;")]
+patches["unroll2r_noload"] = patches["unroll2r"] + patches["noload"]
 patches["unroll_noload"] = patches["unroll"] + patches["noload"]
 patches["twoacc_noload"] = patches["twoacc"] + patches["noload"]
 H = "fp8_gemm/block_scaled.h"
@@ -192,8 +237,8 @@ for name, subs in patches.items():
     if dst.exists(): shutil.rmtree(dst)
     shutil.copytree(root / "csrc", dst)
     for old, new in subs:
-        f = dst / (H if old.startswith("H:") else K)
-        old = old[2:] if old.startswith("H:") else old
+        f = dst / (H if old.startswith("H:") else MW if old.startswith("M:") else K)
+        old = old[2:] if old[:2] in ("H:", "M:") else old
         s = f.read_text()
         if s.count(old) != 1:
             print("skip", name); shutil.rmtree(dst.parent); break
