@@ -17,6 +17,7 @@
 #   twoacc    next K-block's wgmmas in flight during the promotion (BlockN <= 128)
 #   unroll    K loop over ring turns, stage index known at compile time
 #   unroll2   the same, with the weight-scale split chosen once per tile
+#   unroll3   unroll2 with per-stage addresses kept from being hoisted
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 import pathlib, shutil, sys
 root = pathlib.Path(__file__).resolve().parents[2]
@@ -215,6 +216,24 @@ KLOOP_UNROLL2 = """    if (nkb % kStages != 0 || pos.stage != 0) __trap();
 """
 patches["unroll2"] = [(KLOOP_OLD, KLOOP_UNROLL2), ("// The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue.", SPLIT_DISPATCH)]
 patches["unroll2_noload"] = patches["unroll2"] + patches["noload"]
+# unroll3: unroll2 with the stage addresses laundered through an empty asm
+# per stage, so the compiler cannot hoist every stage's descriptors and
+# barrier addresses out of the turn loop (what made unroll spill).
+KLOOP_UNROLL3 = KLOOP_UNROLL2.replace(
+    """          Barrier::wait(&full[s], phase);
+          const uint8_t* st = smem + s * L::kStageBytes;
+          const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + s * kBlockM;""",
+    """          uint8_t* sm = smem;
+          uint64_t* fb = full;
+          uint64_t* eb = empty;
+          asm volatile("" : "+l"(sm), "+l"(fb), "+l"(eb));
+          Barrier::wait(&fb[s], phase);
+          const uint8_t* st = sm + s * L::kStageBytes;
+          const float* sa = reinterpret_cast<const float*>(sm + L::kAScaleOffset) + s * kBlockM;""").replace(
+    "          release_stage<Cluster>(&empty[s], lane);", "          release_stage<Cluster>(&eb[s], lane);")
+assert KLOOP_UNROLL3 != KLOOP_UNROLL2
+patches["unroll3"] = [(KLOOP_OLD, KLOOP_UNROLL3), patches["unroll2"][1]]
+patches["unroll3_noload"] = patches["unroll3"] + patches["noload"]
 # unroll2r: unroll2 with DeepGEMM's register split (producer 40, math 232)
 MW = "fp8_gemm/math_warpgroup.cuh"
 patches["unroll2r"] = patches["unroll2"] + [("M:constexpr int kProducerRegs = 56;", "constexpr int kProducerRegs = 40;"),
