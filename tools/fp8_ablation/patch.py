@@ -18,6 +18,7 @@
 #   unroll    K loop over ring turns, stage index known at compile time
 #   unroll2   the same, with the weight-scale split chosen once per tile
 #   unroll3   unroll2 with per-stage addresses kept from being hoisted
+#   unroll4   unroll2 with the scratch accumulator pinned across stages
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 import pathlib, shutil, sys
 root = pathlib.Path(__file__).resolve().parents[2]
@@ -233,6 +234,16 @@ KLOOP_UNROLL3 = KLOOP_UNROLL2.replace(
     "          release_stage<Cluster>(&empty[s], lane);", "          release_stage<Cluster>(&eb[s], lane);")
 assert KLOOP_UNROLL3 != KLOOP_UNROLL2
 patches["unroll3"] = [(KLOOP_OLD, KLOOP_UNROLL3), patches["unroll2"][1]]
+# unroll4: unroll2 with the scratch accumulator kept live from one stage to
+# the next (an empty asm that reads and writes it), so every unrolled stage
+# uses the same registers for it.
+KLOOP_UNROLL4 = KLOOP_UNROLL2.replace(
+    "          promote<BlockN, kSplit>(res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);\n",
+    "          promote<BlockN, kSplit>(res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);\n"
+    "#pragma unroll\n          for (int i = 0; i < BlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);\n")
+assert KLOOP_UNROLL4 != KLOOP_UNROLL2
+patches["unroll4"] = [(KLOOP_OLD, KLOOP_UNROLL4), patches["unroll2"][1]]
+patches["unroll4_noload"] = patches["unroll4"] + patches["noload"]
 patches["unroll3_noload"] = patches["unroll3"] + patches["noload"]
 # unroll2r: unroll2 with DeepGEMM's register split (producer 40, math 232)
 MW = "fp8_gemm/math_warpgroup.cuh"
