@@ -19,6 +19,7 @@
 #   unroll2   the same, with the weight-scale split chosen once per tile
 #   unroll3   unroll2 with per-stage addresses kept from being hoisted
 #   unroll4   unroll2 with the scratch accumulator pinned across stages
+#   incdesc   stage descriptors as stage-0 descriptors plus a multiple
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 import pathlib, shutil, sys
 root = pathlib.Path(__file__).resolve().parents[2]
@@ -244,6 +245,25 @@ KLOOP_UNROLL4 = KLOOP_UNROLL2.replace(
 assert KLOOP_UNROLL4 != KLOOP_UNROLL2
 patches["unroll4"] = [(KLOOP_OLD, KLOOP_UNROLL4), patches["unroll2"][1]]
 patches["unroll4_noload"] = patches["unroll4"] + patches["noload"]
+# incdesc: the runtime K loop with each stage's descriptors as stage-0
+# descriptors plus stage x (stage bytes >> 4) (the 14-bit address field
+# cannot carry: shared memory < 256 KB), instead of rebuilt from the address
+# every K-block.
+INC_OLD = """      const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
+      const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
+      kblock_wgmma<BlockN>(da, db, acc);
+      // This warp's"""
+INC_NEW = """      const uint64_t step = static_cast<uint64_t>(pos.stage) * (L::kStageBytes >> 4);
+      const uint64_t da = da0 + step;
+      const uint64_t db = db0 + step;
+      kblock_wgmma<BlockN>(da, db, acc);
+      // This warp's"""
+INC_DECL = ("  RingPos<kStages> pos;\n  for (int tile",
+            "  const uint64_t da0 = sw128_kmajor_desc(smem + wg * 64 * kRowBytes);\n"
+            "  const uint64_t db0 = sw128_kmajor_desc(smem + L::kABytes);\n"
+            "  RingPos<kStages> pos;\n  for (int tile")
+patches["incdesc"] = [(INC_OLD, INC_NEW), INC_DECL]
+patches["incdesc_noload"] = patches["incdesc"] + patches["noload"]
 patches["unroll3_noload"] = patches["unroll3"] + patches["noload"]
 # unroll2r: unroll2 with DeepGEMM's register split (producer 40, math 232)
 MW = "fp8_gemm/math_warpgroup.cuh"
