@@ -270,6 +270,9 @@ MW = "fp8_gemm/math_warpgroup.cuh"
 patches["unroll2r"] = patches["unroll2"] + [("M:constexpr int kProducerRegs = 56;", "constexpr int kProducerRegs = 40;"),
                                             ("M:constexpr int kMathRegs = 224;", "constexpr int kMathRegs = 232;")]
 patches["unroll2r_noload"] = patches["unroll2r"] + patches["noload"]
+patches["unroll2s"] = patches["unroll2"] + [("M:constexpr int kProducerRegs = 56;", "constexpr int kProducerRegs = 24;"),
+                                            ("M:constexpr int kMathRegs = 224;", "constexpr int kMathRegs = 240;")]
+patches["unroll2s_noload"] = patches["unroll2s"] + patches["noload"]
 patches["unroll_noload"] = patches["unroll"] + patches["noload"]
 patches["twoacc_noload"] = patches["twoacc"] + patches["noload"]
 H = "fp8_gemm/block_scaled.h"
