@@ -22,160 +22,93 @@ using grouped::TileInfo;
 using grouped::locate_tile;
 
 // lpmoe's columnwise kernel (copied from csrc/fp8_block/dequantize.cu, 1D
-// scaling only) with a choice of tile order.
-template <typename OType, bool kE5M2, bool kKFast, int kW = 1>
-__global__ void __launch_bounds__(256) dq_cols_base(const fp8_block::DequantizeArgs args) {
+// scaling only) for token tile j and K tile tile_x; the kernels below take
+// the tiles in other orders.
+template <typename OType, bool kE5M2>
+__device__ __forceinline__ void dq_cols_tile(const fp8_block::DequantizeArgs& args, int64_t j, int tile_x) {
   constexpr int kBlockDim = 1, kVec = 8, kRowsPerThread = 8;
   const int64_t K = args.cols;
-  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
-  // kKFast: K-tile fastest (CTAs running together write whole output rows)
+  TileInfo ti;
+  if (!locate_tile(args.group, args.rows, j, ti)) return;
+  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = 4 * (warp & 3) + (lane & 3);   // tokens 8g..8g+7 of the tile
+  const int c = 8 * (warp >> 2) + (lane >> 2);  // K columns 8c..8c+7
+  const int tok0 = g * kRowsPerThread;
+  // cols_valid is a multiple of 16: a thread's 8 columns are all in or all out
+  if (c * kVec >= cols_valid || tok0 >= ti.rows_valid) return;  // no barrier below
+  const uint8_t* q = static_cast<const uint8_t*>(args.data);
+  OType* out = static_cast<OType*>(args.out);
+  const float tile_scale = 0.0f;
+
+  const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
+  const int64_t tokens_in_buffer = args.pad_columnwise_tokens ? kTile : ti.rows_valid;
+  const uint8_t* src = q + K * ti.pad128_start + ti.local_tile * kTile + (col0 + c * kVec) * pitch + tok0;
+  // chunk[e]: tokens 8g..8g+7 of K column 8c+e (byte r = token 8g+r).
+  uint2 chunk[kVec];
+  if (pitch % 8 == 0 && tok0 + kRowsPerThread <= tokens_in_buffer) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e, src += pitch) chunk[e] = __ldg(reinterpret_cast<const uint2*>(src));
+  } else {  // a member's last tokens in an unpadded buffer: only its own bytes
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int k = 0; k < kRowsPerThread; ++k)
+        if (tok0 + k < ti.rows_valid) w[k >> 2] |= static_cast<uint32_t>(src[e * pitch + k]) << (8 * (k & 3));
+      chunk[e] = make_uint2(w[0], w[1]);
+    }
+  }
+  float s[kVec];
+  if constexpr (kBlockDim == 1) {  // columns 8c..8c+7: 8 consecutive floats, 16-byte aligned (ld % 4 == 0)
+    const int64_t ld = round_up<int64_t>(K, 4);
+    const float4* sp =
+        reinterpret_cast<const float4*>(args.scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col0 + c * kVec);
+    const float4 lo = __ldg(sp), hi = __ldg(sp + 1);
+    s[0] = lo.x; s[1] = lo.y; s[2] = lo.z; s[3] = lo.w;
+    s[4] = hi.x; s[5] = hi.y; s[6] = hi.z; s[7] = hi.w;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) s[e] = tile_scale;
+  }
+  // Output row tok0 + r, a running pointer (one add per row).
+  OType* dst = out + (ti.row0 + tok0) * K + col0 + c * kVec;
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r, dst += K) {
+    if (tok0 + r >= ti.rows_valid) continue;
+    const int word = r >> 2;
+    const int shift = 8 * (r & 3);
+    uint32_t w[2];  // output row r's eight bytes, column 8c first
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t b0 = (word ? chunk[4 * h].y : chunk[4 * h].x) >> shift;
+      const uint32_t b1 = (word ? chunk[4 * h + 1].y : chunk[4 * h + 1].x) >> shift;
+      const uint32_t b2 = (word ? chunk[4 * h + 2].y : chunk[4 * h + 2].x) >> shift;
+      const uint32_t b3 = (word ? chunk[4 * h + 3].y : chunk[4 * h + 3].x) >> shift;
+      w[h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+    }
+    dequant8_store<OType, kE5M2>(dst, make_uint2(w[0], w[1]), s);
+  }
+}
+
+// lpmoe's tile order (token tiles fastest), K-tile fastest (kKFast: CTAs
+// running together write whole output rows), or runs of kW K-tiles of one
+// token tile, token tiles next (kW | the K-tile count).
+template <typename OType, bool kE5M2, bool kKFast, int kW = 1>
+__global__ void __launch_bounds__(256) dq_cols_base(const fp8_block::DequantizeArgs args) {
+  const int bx_count = static_cast<int>(ceil_div<int64_t>(args.cols, kTile));
   int64_t j = kKFast ? blockIdx.x / bx_count : blockIdx.x % args.max_row_tiles;
   int tile_x = static_cast<int>(kKFast ? blockIdx.x % bx_count : blockIdx.x / args.max_row_tiles);
-  if constexpr (kW > 1) {  // runs of kW K-tiles of one token tile, token tiles next (kW | bx_count)
+  if constexpr (kW > 1) {
     const int64_t span = args.max_row_tiles * kW;
     const int64_t rem = blockIdx.x % span;
     j = rem / kW;
     tile_x = static_cast<int>(blockIdx.x / span) * kW + static_cast<int>(rem % kW);
   }
-  TileInfo ti;
-  if (!locate_tile(args.group, args.rows, j, ti)) return;
-  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
-  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int g = 4 * (warp & 3) + (lane & 3);   // tokens 8g..8g+7 of the tile
-  const int c = 8 * (warp >> 2) + (lane >> 2);  // K columns 8c..8c+7
-  const int tok0 = g * kRowsPerThread;
-  // cols_valid is a multiple of 16: a thread's 8 columns are all in or all out
-  if (c * kVec >= cols_valid || tok0 >= ti.rows_valid) return;  // no barrier below
-  const uint8_t* q = static_cast<const uint8_t*>(args.data);
-  OType* out = static_cast<OType*>(args.out);
-  const float tile_scale = 0.0f;
-
-  const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
-  const int64_t tokens_in_buffer = args.pad_columnwise_tokens ? kTile : ti.rows_valid;
-  const uint8_t* src = q + K * ti.pad128_start + ti.local_tile * kTile + (col0 + c * kVec) * pitch + tok0;
-  // chunk[e]: tokens 8g..8g+7 of K column 8c+e (byte r = token 8g+r).
-  uint2 chunk[kVec];
-  if (pitch % 8 == 0 && tok0 + kRowsPerThread <= tokens_in_buffer) {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e, src += pitch) chunk[e] = __ldg(reinterpret_cast<const uint2*>(src));
-  } else {  // a member's last tokens in an unpadded buffer: only its own bytes
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      uint32_t w[2] = {0, 0};
-#pragma unroll
-      for (int k = 0; k < kRowsPerThread; ++k)
-        if (tok0 + k < ti.rows_valid) w[k >> 2] |= static_cast<uint32_t>(src[e * pitch + k]) << (8 * (k & 3));
-      chunk[e] = make_uint2(w[0], w[1]);
-    }
-  }
-  float s[kVec];
-  if constexpr (kBlockDim == 1) {  // columns 8c..8c+7: 8 consecutive floats, 16-byte aligned (ld % 4 == 0)
-    const int64_t ld = round_up<int64_t>(K, 4);
-    const float4* sp =
-        reinterpret_cast<const float4*>(args.scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col0 + c * kVec);
-    const float4 lo = __ldg(sp), hi = __ldg(sp + 1);
-    s[0] = lo.x; s[1] = lo.y; s[2] = lo.z; s[3] = lo.w;
-    s[4] = hi.x; s[5] = hi.y; s[6] = hi.z; s[7] = hi.w;
-  } else {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) s[e] = tile_scale;
-  }
-  // Output row tok0 + r, a running pointer (one add per row).
-  OType* dst = out + (ti.row0 + tok0) * K + col0 + c * kVec;
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r, dst += K) {
-    if (tok0 + r >= ti.rows_valid) continue;
-    const int word = r >> 2;
-    const int shift = 8 * (r & 3);
-    uint32_t w[2];  // output row r's eight bytes, column 8c first
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t b0 = (word ? chunk[4 * h].y : chunk[4 * h].x) >> shift;
-      const uint32_t b1 = (word ? chunk[4 * h + 1].y : chunk[4 * h + 1].x) >> shift;
-      const uint32_t b2 = (word ? chunk[4 * h + 2].y : chunk[4 * h + 2].x) >> shift;
-      const uint32_t b3 = (word ? chunk[4 * h + 3].y : chunk[4 * h + 3].x) >> shift;
-      w[h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
-    }
-    dequant8_store<OType, kE5M2>(dst, make_uint2(w[0], w[1]), s);
-  }
+  dq_cols_tile<OType, kE5M2>(args, j, tile_x);
 }
-
-
-template <typename OType, bool kE5M2>
-__device__ __forceinline__ void dq_cols_tile(const fp8_block::DequantizeArgs& args, int64_t j, int tile_x) {
-  constexpr int kBlockDim = 1, kVec = 8, kRowsPerThread = 8;
-  (void)kBlockDim;
-  const int64_t K = args.cols;
-  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
-  // kKFast: K-tile fastest (CTAs running together write whole output rows)
-  TileInfo ti;
-  if (!locate_tile(args.group, args.rows, j, ti)) return;
-  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
-  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int g = 4 * (warp & 3) + (lane & 3);   // tokens 8g..8g+7 of the tile
-  const int c = 8 * (warp >> 2) + (lane >> 2);  // K columns 8c..8c+7
-  const int tok0 = g * kRowsPerThread;
-  // cols_valid is a multiple of 16: a thread's 8 columns are all in or all out
-  if (c * kVec >= cols_valid || tok0 >= ti.rows_valid) return;  // no barrier below
-  const uint8_t* q = static_cast<const uint8_t*>(args.data);
-  OType* out = static_cast<OType*>(args.out);
-  const float tile_scale = 0.0f;
-
-  const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
-  const int64_t tokens_in_buffer = args.pad_columnwise_tokens ? kTile : ti.rows_valid;
-  const uint8_t* src = q + K * ti.pad128_start + ti.local_tile * kTile + (col0 + c * kVec) * pitch + tok0;
-  // chunk[e]: tokens 8g..8g+7 of K column 8c+e (byte r = token 8g+r).
-  uint2 chunk[kVec];
-  if (pitch % 8 == 0 && tok0 + kRowsPerThread <= tokens_in_buffer) {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e, src += pitch) chunk[e] = __ldg(reinterpret_cast<const uint2*>(src));
-  } else {  // a member's last tokens in an unpadded buffer: only its own bytes
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      uint32_t w[2] = {0, 0};
-#pragma unroll
-      for (int k = 0; k < kRowsPerThread; ++k)
-        if (tok0 + k < ti.rows_valid) w[k >> 2] |= static_cast<uint32_t>(src[e * pitch + k]) << (8 * (k & 3));
-      chunk[e] = make_uint2(w[0], w[1]);
-    }
-  }
-  float s[kVec];
-  if constexpr (kBlockDim == 1) {  // columns 8c..8c+7: 8 consecutive floats, 16-byte aligned (ld % 4 == 0)
-    const int64_t ld = round_up<int64_t>(K, 4);
-    const float4* sp =
-        reinterpret_cast<const float4*>(args.scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col0 + c * kVec);
-    const float4 lo = __ldg(sp), hi = __ldg(sp + 1);
-    s[0] = lo.x; s[1] = lo.y; s[2] = lo.z; s[3] = lo.w;
-    s[4] = hi.x; s[5] = hi.y; s[6] = hi.z; s[7] = hi.w;
-  } else {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) s[e] = tile_scale;
-  }
-  // Output row tok0 + r, a running pointer (one add per row).
-  OType* dst = out + (ti.row0 + tok0) * K + col0 + c * kVec;
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r, dst += K) {
-    if (tok0 + r >= ti.rows_valid) continue;
-    const int word = r >> 2;
-    const int shift = 8 * (r & 3);
-    uint32_t w[2];  // output row r's eight bytes, column 8c first
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t b0 = (word ? chunk[4 * h].y : chunk[4 * h].x) >> shift;
-      const uint32_t b1 = (word ? chunk[4 * h + 1].y : chunk[4 * h + 1].x) >> shift;
-      const uint32_t b2 = (word ? chunk[4 * h + 2].y : chunk[4 * h + 2].x) >> shift;
-      const uint32_t b3 = (word ? chunk[4 * h + 3].y : chunk[4 * h + 3].x) >> shift;
-      w[h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
-    }
-    dequant8_store<OType, kE5M2>(dst, make_uint2(w[0], w[1]), s);
-  }
-}
-
-
 
 // Candidate "kloop": one CTA per token tile and run of kL K-tiles, taken in
 // turn (token-tile fastest across CTAs, as lpmoe's; 1 KB of each output row

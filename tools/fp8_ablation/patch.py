@@ -193,29 +193,15 @@ __device__ __forceinline__ void split_dispatch(int split, F&& f) {
 }
 
 // The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue."""
-KLOOP_UNROLL2 = """    if (nkb % kStages != 0 || pos.stage != 0) __trap();
-    split_dispatch<BlockN>(split, [&](auto split_tag) {
-      constexpr int kSplit = decltype(split_tag)::value;
-      uint32_t phase = pos.phase;
-      for (int kt = 0; kt < nkb; kt += kStages, phase ^= 1u) {
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-          const int kb = kt + s;
-          Barrier::wait(&full[s], phase);
-          const uint8_t* st = smem + s * L::kStageBytes;
-          const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + s * kBlockM;
-          const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
-          const float sb0 = sb[kb], sb1 = sb[nkb + kb];
-          const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
-          const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
-          kblock_wgmma<BlockN>(da, db, acc);
-          release_stage<Cluster>(&empty[s], lane);
-          promote<BlockN, kSplit>(res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
-        }
-      }
-      pos.phase = phase;
-    });
-"""
+UNROLL_PROMOTE = "        promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);\n"
+UNROLL_FENCE = "        asm volatile(\"\" ::: \"memory\");  // keep the compiler from hoisting the next stage's work\n"
+_TRAP, _TURNS = KLOOP_UNROLL.split("\n", 1)
+KLOOP_UNROLL2 = (_TRAP + "\n    split_dispatch<BlockN>(split, [&](auto split_tag) {\n"
+                 "      constexpr int kSplit = decltype(split_tag)::value;\n"
+                 + "".join(("" if line.startswith("#") else "  ") + line + "\n" for line in _TURNS.replace(UNROLL_FENCE, "").replace(
+                     UNROLL_PROMOTE, "        promote<BlockN, kSplit>(res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, "
+                     "sa1 * sb1);\n").splitlines())
+                 + "    });\n")
 patches["unroll2"] = [(KLOOP_OLD, KLOOP_UNROLL2), ("// The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue.", SPLIT_DISPATCH)]
 patches["unroll2_noload"] = patches["unroll2"] + patches["noload"]
 # unroll3: unroll2 with the stage addresses laundered through an empty asm

@@ -131,20 +131,26 @@ def _accumulate_main_grads(main_grads, wgrad_into) -> None:
         m.add_(t)
 
 
+def mark_added_to_main_grad(w: torch.Tensor):
+    """TransformerEngine's convention for a weight whose gradient went into
+    main_grad, which Megatron relies on: where the weight has
+    ``grad_added_to_main_grad``, sets it and returns how its placeholder
+    gradient is made (``torch.empty``, or ``torch.zeros`` with
+    ``zero_out_wgrad``; autograd still runs its hooks); else None (autograd
+    gets None)."""
+    if not hasattr(w, "grad_added_to_main_grad"):
+        return None
+    w.grad_added_to_main_grad = True
+    return torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+
+
 def fused_wgrad_results(weights):
-    """What autograd gets for the weights once their gradient went into
-    main_grad (TransformerEngine's convention, which Megatron relies on): a
-    placeholder tensor with ``grad_added_to_main_grad`` set, where the weight
-    has that attribute (so its gradient hooks still fire), else None.  A
-    list for per-expert weights, one entry for a stacked weight."""
+    """What autograd gets for fused weights (:func:`mark_added_to_main_grad`):
+    a list for per-expert weights, one entry for a stacked weight."""
     if isinstance(weights, torch.Tensor):
         return fused_wgrad_results([weights])[0]
     out: List[Optional[torch.Tensor]] = []
     for w in weights:
-        if hasattr(w, "grad_added_to_main_grad"):
-            w.grad_added_to_main_grad = True
-            make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
-            out.append(make(w.shape, dtype=w.dtype, device=w.device))
-        else:
-            out.append(None)
+        make = mark_added_to_main_grad(w)
+        out.append(None if make is None else make(w.shape, dtype=w.dtype, device=w.device))
     return out

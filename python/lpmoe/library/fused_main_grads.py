@@ -39,16 +39,18 @@ from typing import List, Optional
 import torch
 
 from lpmoe.functional.checks import check_main_grads
-from lpmoe.functional.linear_steps import main_grads_of
+from lpmoe.functional.linear_steps import main_grads_of, mark_added_to_main_grad
 from lpmoe.functional.params import from_inputs
 from lpmoe.library import specs
 
 Tensor = torch.Tensor
 
 #: what autograd gets for a fused weight, as eager makes it
-#: (linear_steps.fused_wgrad_results): None without Megatron's marker, else
-#: an uninitialised placeholder, or zeros with ``zero_out_wgrad``
+#: (linear_steps.mark_added_to_main_grad): None without Megatron's marker,
+#: else an uninitialised placeholder, or zeros with ``zero_out_wgrad``
 NONE, EMPTY, ZEROS = 0, 1, 2
+_KIND = {None: NONE, torch.empty: EMPTY, torch.zeros: ZEROS}
+_MAKE = {EMPTY: torch.empty, ZEROS: torch.zeros}
 
 
 def config_entry(weights, fuse: bool, need_wgrad: bool) -> Optional[dict]:
@@ -58,14 +60,7 @@ def config_entry(weights, fuse: bool, need_wgrad: bool) -> Optional[dict]:
     if not (fuse and need_wgrad):
         return None
     ws = [weights] if isinstance(weights, Tensor) else list(weights)
-    kinds = []
-    for w in ws:
-        if hasattr(w, "grad_added_to_main_grad"):
-            w.grad_added_to_main_grad = True
-            kinds.append(ZEROS if getattr(w, "zero_out_wgrad", False) else EMPTY)
-        else:
-            kinds.append(NONE)
-    return {"ph": kinds, "dtype": specs.dtype_name(ws[0].dtype)}
+    return {"ph": [_KIND[mark_added_to_main_grad(w)] for w in ws], "dtype": specs.dtype_name(ws[0].dtype)}
 
 
 def main_grads(weights: List[Tensor], entry: Optional[dict], stacked: bool):
@@ -83,8 +78,7 @@ def placeholders(entry: dict, shape, stacked: bool, device) -> List[Optional[Ten
     """Autograd's gradients of the fused weights, one per weight input."""
     g, n, k = shape
     wshape, dtype = ((g, n, k) if stacked else (n, k)), specs.dtype_from_name(entry["dtype"])
-    make = {EMPTY: torch.empty, ZEROS: torch.zeros}
-    return [None if kind == NONE else make[kind](wshape, dtype=dtype, device=device) for kind in entry["ph"]]
+    return [None if kind == NONE else _MAKE[kind](wshape, dtype=dtype, device=device) for kind in entry["ph"]]
 
 
 def register_side_effects(*ops) -> None:
