@@ -76,11 +76,15 @@ struct BlockScaledLayout {
   static constexpr int kStripBytes = 16 * BlockN * 2;
   static constexpr int kEpilogueBytes = 8 * kStripBytes;
   // Reserve 1 KB alignment slack, the B scales, the strips and 8 KB for
-  // barriers and the scheduler's tile table; the rest is pipeline stages
-  // (4 / 4 / 5 at widths 192 / 160 / 128: one fewer than before the strips,
-  // which measured no slower at the anchor shape, docs/fp8-gemm-kernel-notes.md).
-  static constexpr int kStages =
+  // barriers and the scheduler's tile table; the rest holds pipeline stages,
+  // at most 4 (every width fits 4; 5 measured no faster at the anchor shape,
+  // docs/fp8-gemm-kernel-notes.md).  The math warps take whole ring turns
+  // per tile and the last turn's unused stages cost a barrier round trip
+  // each, so a ring of 4 matches K-block counts of common K (multiples of
+  // 512) with no padding.
+  static constexpr int kStagesFit =
       (kSmemLimit - 1024 - kBScaleBytes - kEpilogueBytes - 8192) / (kStageBytes + kAScaleStageBytes);
+  static constexpr int kStages = kStagesFit < 4 ? kStagesFit : 4;
   static_assert(kStages >= 3, "too few stages");
   static constexpr int kEpilogueOffset = kStages * kStageBytes;  // 1024-aligned: stages are whole KBs
   static constexpr int kAScaleOffset = kEpilogueOffset + kEpilogueBytes;

@@ -20,8 +20,13 @@
 // * warpgroups 0 and 1 each own 64 rows of the 128-row tile.  Per K-block a
 //   warpgroup issues four 64 x BlockN x 32 wgmmas into a scratch accumulator,
 //   then promotes it into the fp32 result with the two scales (scale products
-//   in registers, the next K-block's scales already loaded from L2 while the
-//   wgmmas ran).  One warpgroup's promotion overlaps the other's wgmmas.
+//   in registers).  One warpgroup's promotion overlaps the other's wgmmas.
+// * Every tile starts at ring stage 0 and takes whole ring turns (the
+//   producer pads a partial last turn with stages that carry no data), so
+//   the K loop is unrolled over the stages with compile-time barrier, scale
+//   and descriptor offsets, and its body has no branch or warp barrier:
+//   compute-only at base clocks, 5-13 % fewer cycles than with the stage in
+//   a register (docs/fp8-gemm-kernel-notes.md, stop 34).
 // * BlockN need not divide 128: a tile spans at most two 128-column weight
 //   blocks (static_assert below), and each 8-column fragment picks its scale.
 // * Epilogue: a math warp whose 16 rows are inside the group writes them to
@@ -35,6 +40,8 @@
 #pragma once
 
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "fp8_gemm/block_scaled.h"
 #include "fp8_gemm/math_warpgroup.cuh"
@@ -61,18 +68,19 @@ __device__ __forceinline__ void promote(float* res, const float* acc, float s00,
 }
 
 // The runtime split of a tile (128 - n0 % 128) is one of 128, 128 - G, ...,
-// G with G = gcd(BlockN, 128): one promote instantiation per value.
-template <int BlockN, int Split = 128>
-__device__ __forceinline__ void promote_dispatch(int split, float* res, const float* acc, float s00, float s01,
-                                                 float s10, float s11) {
+// G with G = gcd(BlockN, 128): f(integral_constant<int, split>) runs the
+// tile's K loop with the split known at compile time (one loop per value,
+// chosen once per tile rather than per K-block).
+template <int BlockN, int Split = 128, class F>
+__device__ __forceinline__ void split_dispatch(int split, F&& f) {
   constexpr int kStep = BlockScaledLayout<BlockN>::gcd128(BlockN);
   if constexpr (Split - kStep <= 0) {
-    promote<BlockN, Split>(res, acc, s00, s01, s10, s11);
+    f(std::integral_constant<int, Split>{});
   } else {
     if (split == Split) {
-      promote<BlockN, Split>(res, acc, s00, s01, s10, s11);
+      f(std::integral_constant<int, Split>{});
     } else {
-      promote_dispatch<BlockN, Split - kStep>(split, res, acc, s00, s01, s10, s11);
+      split_dispatch<BlockN, Split - kStep>(split, f);
     }
   }
 }
@@ -156,7 +164,7 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, const CUte
     }
   };
   if (kEarlyScales && first_tile < total) fetch_b_scales(first_tile);
-  RingPos<kStages> pos;
+  uint32_t phase = 0;  // of the full barriers, flipped once per ring turn
   for (int tile = first_tile; tile < total; tile += tile_step) {
     const TileCoord c = sched.locate(tile);
     const int n0 = c.n_block * BlockN;
@@ -172,23 +180,49 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, const CUte
 #pragma unroll
     for (int i = 0; i < BlockN / 2; ++i) res[i] = 0.0f;
 
-    for (int kb = 0; kb < nkb; ++kb) {
-      Barrier::wait(&full[pos.stage], pos.phase);
-      const uint8_t* st = smem + pos.stage * L::kStageBytes;
-      // Scales from shared memory, read before the wgmma fence (which would
-      // otherwise wait on the loads).  Rows past the group read stale values
-      // and are dropped by the epilogue.
-      const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + pos.stage * kBlockM;
-      const float sa0 = sa[row_in_tile], sa1 = sa[row_in_tile + 8];
-      const float sb0 = sb[kb], sb1 = sb[nkb + kb];
-      const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
-      const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
-      kblock_wgmma<BlockN>(da, db, acc);
-      // This warp's wgmmas have read the stage: hand it back to the producer.
-      release_stage<Cluster>(&empty[pos.stage], lane);
-      promote_dispatch<BlockN>(split, res, acc, sa0 * sb0, sa0 * sb1, sa1 * sb0, sa1 * sb1);
-      pos.next();
-    }
+    // Whole ring turns from stage 0 (see the top of the file).  No __trap
+    // or other exit may sit on this path: with one, ptxas kept the unrolled
+    // loop to the launch bound's 168 registers instead of setmaxnreg's 224
+    // and spilled (found with -Xptxas -v on an experimental guard).
+    split_dispatch<BlockN>(split, [&](auto split_tag) {
+      constexpr int kSplit = decltype(split_tag)::value;
+      // One K-block on stage s (a compile-time index once unrolled).  The
+      // body has no branch and no warp barrier, so the compiler can move
+      // the next stage's barrier wait up into this one's promotion.
+      auto kblock = [&](int s, int kb) {
+        Barrier::wait(&full[s], phase);
+        // This tile's B scales (after the wait: read before it, they were
+        // one more live pair across the promotion and n192c1 spilled).
+        const float sb0 = sb[kb], sb1 = sb[nkb + kb];
+        // A scales, read before the wgmma fence (which would otherwise wait
+        // on the loads).  Rows past the group read stale values and are
+        // dropped by the epilogue.
+        const float* sa = reinterpret_cast<const float*>(smem + L::kAScaleOffset) + s * kBlockM;
+        const float s00 = sa[row_in_tile] * sb0, s01 = sa[row_in_tile] * sb1;
+        const float s10 = sa[row_in_tile + 8] * sb0, s11 = sa[row_in_tile + 8] * sb1;
+        const uint8_t* st = smem + s * L::kStageBytes;
+        kblock_wgmma<BlockN>(sw128_kmajor_desc(st + wg * 64 * kRowBytes), sw128_kmajor_desc(st + L::kABytes), acc);
+        release_stage_lanes<Cluster>(&empty[s], lane);  // the wgmmas have read the stage
+        promote<BlockN, kSplit>(res, acc, s00, s01, s10, s11);
+      };
+      int kt = 0;
+      for (; kt + kStages <= nkb; kt += kStages, phase ^= 1u) {
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) kblock(s, kt + s);
+      }
+      if (kt < nkb) {  // a partial last turn; its unused stages come without data
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+          if (kt + s < nkb) {
+            kblock(s, kt + s);
+          } else {
+            Barrier::wait(&full[s], phase);
+            release_stage_lanes<Cluster>(&empty[s], lane);
+          }
+        }
+        phase ^= 1u;
+      }
+    });
     if constexpr (kEarlyScales) {
       if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue
     }
@@ -279,8 +313,16 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t sa_bytes = static_cast<uint32_t>((tile_rows + 3) / 4 * 16);
         const int64_t a_ld = (c.rows + 3) / 4 * 4;
         const float* as = p.a_scale + int64_t(nkb) * c.pad4_0 + m0;
-        for (int kb = 0; kb < nkb; ++kb) {
+        // Whole ring turns per tile, as the math warps consume them: the
+        // last turn's stages past nkb get an arrival without data.
+        const int nkb_turns = (nkb + kStages - 1) / kStages * kStages;
+        for (int kb = 0; kb < nkb_turns; ++kb) {
           Barrier::wait(&empty[pos.stage], pos.phase ^ 1u);
+          if (kb >= nkb) {
+            Barrier::arrive(&full[pos.stage]);
+            pos.next();
+            continue;
+          }
           uint8_t* st = smem + pos.stage * L::kStageBytes;
           TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);
           tma_load_2d(&tma_a, &full[pos.stage], st, kb * kBlockK, a_row);

@@ -58,6 +58,20 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
   }
 }
 
+// The same hand-back without a branch or a warp barrier: lane r arrives on
+// CTA r's barrier (a predicated remote arrive).  For use right after
+// kblock_wgmma: its wait is warp-collective, so every lane's wgmma reads are
+// done, and the lanes' other reads of the stage (the A scales) were consumed
+// before the wgmmas were issued.
+template <int Cluster>
+__device__ __forceinline__ void release_stage_lanes(uint64_t* empty, int lane) {
+  if constexpr (Cluster == 1) {
+    if (lane == 0) Barrier::arrive(empty);
+  } else {
+    Barrier::arrive(empty, static_cast<uint32_t>(lane % Cluster), static_cast<uint32_t>(lane < Cluster));
+  }
+}
+
 // bf16 epilogue of one math warp's 16 x BlockN fragment: kEpilogueCols
 // columns per pass go into the warp's staging tile (rows lane/4 and +8, rows
 // of kEpilogueRowBytes: the fragment's 4-byte writes hit 32 distinct banks)
