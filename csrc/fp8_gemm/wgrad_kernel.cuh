@@ -134,7 +134,23 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   uint8_t* stage_out = smem + L::kEpilogueOffset + warp * kWgradStagingBytes;
   float acc[BlockN / 2];
   float res[BlockN / 2];
-  RingPos<L::kStages> pos;
+  constexpr int kStages = L::kStages;
+  uint32_t phase = 0;  // of the full barriers, flipped once per ring turn
+  // One K-block on stage s (a compile-time index once unrolled).  The stage
+  // goes back after the promotion, which reads its column scales, through
+  // release_stage: its warp barrier keeps the compiler from moving the next
+  // stage's loads up into this promotion (with the predicated per-lane
+  // arrive of the fprop kernel, n192 spilled inside the loop).
+  auto kblock = [&](int s) {
+    Barrier::wait(&full[s], phase);
+    const uint8_t* st = smem + s * L::kStageBytes;
+    const float* sc = reinterpret_cast<const float*>(smem + L::kScaleOffset + s * L::kScaleStageBytes);
+    // Row scales past N are stale and their rows dropped; likewise columns.
+    const float sa0 = sc[row_in_tile], sa1 = sc[row_in_tile + 8];
+    kblock_wgmma<BlockN>(sw128_kmajor_desc(st + wg * 64 * kRowBytes), sw128_kmajor_desc(st + L::kABytes), acc);
+    promote_outer<BlockN>(res, acc, sa0, sa1, sc + kBlockM + col_in_frag);
+    release_stage<Cluster>(&empty[s], lane);
+  };
   for (int tile = first_tile; tile < total; tile += tile_step) {
     const WgradTile t = order.locate(tile);
     const int nkb = first_block[t.group + 1] - first_block[t.group];
@@ -144,19 +160,26 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
 #pragma unroll
     for (int i = 0; i < BlockN / 2; ++i) res[i] = 0.0f;
 
-    for (int kb = 0; kb < nkb; ++kb) {
-      Barrier::wait(&full[pos.stage], pos.phase);
-      const uint8_t* st = smem + pos.stage * L::kStageBytes;
-      const float* sc = reinterpret_cast<const float*>(smem + L::kScaleOffset + pos.stage * L::kScaleStageBytes);
-      // Row scales past N are stale and their rows dropped; likewise columns.
-      const float sa0 = sc[row_in_tile], sa1 = sc[row_in_tile + 8];
-      const uint64_t da = sw128_kmajor_desc(st + wg * 64 * kRowBytes);
-      const uint64_t db = sw128_kmajor_desc(st + L::kABytes);
-      kblock_wgmma<BlockN>(da, db, acc);
-      promote_outer<BlockN>(res, acc, sa0, sa1, sc + kBlockM + col_in_frag);
-      // The stage's tiles and column scales are read: hand it back.
-      release_stage<Cluster>(&empty[pos.stage], lane);
-      pos.next();
+    // Whole ring turns from stage 0, as in the fprop kernel; the producer
+    // pads a partial last turn with stages that carry no data.  No __trap
+    // or other exit may sit on this path (it costs the loop setmaxnreg's
+    // registers, kernel_1x128_128x128.cuh).
+    int kt = 0;
+    for (; kt + kStages <= nkb; kt += kStages, phase ^= 1u) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) kblock(s);
+    }
+    if (kt < nkb) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) {
+        if (kt + s < nkb) {
+          kblock(s);
+        } else {
+          Barrier::wait(&full[s], phase);
+          release_stage<Cluster>(&empty[s], lane);
+        }
+      }
+      phase ^= 1u;
     }
 
     const int64_t member = int64_t(t.group) * p.n_rows * p.k_cols;
@@ -237,8 +260,16 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
         const uint32_t sb_bytes = static_cast<uint32_t>((min(BlockN, p.k_cols - k0) + 3) / 4 * 16);
         const float* as = p.a_scale + a_ld * kb0 + n0;
         const float* bs = p.b_scale + b_ld * kb0 + k0;
-        for (int kb = 0; kb < nkb; ++kb) {
+        // Whole ring turns per tile, as the math warps consume them: the
+        // last turn's stages past nkb get an arrival without data.
+        const int nkb_turns = (nkb + kStages - 1) / kStages * kStages;
+        for (int kb = 0; kb < nkb_turns; ++kb) {
           Barrier::wait(&empty[pos.stage], pos.phase ^ 1u);
+          if (kb >= nkb) {
+            Barrier::arrive(&full[pos.stage]);
+            pos.next();
+            continue;
+          }
           uint8_t* st = smem + pos.stage * L::kStageBytes;
           uint8_t* sc = smem + L::kScaleOffset + pos.stage * L::kScaleStageBytes;
           TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes + sb_bytes);
