@@ -59,10 +59,18 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
 }
 
 // The same hand-back without a branch or a warp barrier: lane r arrives on
-// CTA r's barrier (a predicated remote arrive).  For use right after
-// kblock_wgmma: its wait is warp-collective, so every lane's wgmma reads are
-// done, and the lanes' other reads of the stage (the A scales) were consumed
-// before the wgmmas were issued.
+// CTA r's barrier (ptxas predicates the arrive; checked in the SASS).  For
+// use right after kblock_wgmma: its wait is warp-collective, so every lane's
+// wgmma reads are done.  What it leaves to the hardware: the lanes' plain
+// shared-memory reads of the stage (the A scales) are not ordered before
+// lane 0/1's arrive by the PTX memory model, as __syncwarp would order them.
+// They are warp-wide loads issued before the wgmma fence, a whole K-block of
+// wgmmas (hundreds of cycles) before the arrive, and the producer refills the
+// stage only after every math warp of both CTAs arrived and a TMA load came
+// back from L2.  Making the order formal costs the overlap this buys
+// (__syncwarp keeps ptxas from moving the next stage's wait into the
+// promotion; consuming the scales before the fence exposes the load latency
+// before the first wgmma); neither was measured.
 template <int Cluster>
 __device__ __forceinline__ void release_stage_lanes(uint64_t* empty, int lane) {
   if constexpr (Cluster == 1) {
