@@ -67,10 +67,11 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
 // They are warp-wide loads issued before the wgmma fence, a whole K-block of
 // wgmmas (hundreds of cycles) before the arrive, and the producer refills the
 // stage only after every math warp of both CTAs arrived and a TMA load came
-// back from L2.  Making the order formal costs the overlap this buys
-// (__syncwarp keeps ptxas from moving the next stage's wait into the
-// promotion; consuming the scales before the fence exposes the load latency
-// before the first wgmma); neither was measured.
+// back from L2.  release_stage (__syncwarp, lane 0 arrives on each CTA)
+// makes the order formal; in the fprop K loop it compiles to the same SASS
+// but for lane 0 issuing both arrives (the next stage's wait still moves
+// into the promotion), and it is the candidate replacement once timed on
+// the GPU (tools/fp8_ablation variant `syncrel`).
 template <int Cluster>
 __device__ __forceinline__ void release_stage_lanes(uint64_t* empty, int lane) {
   if constexpr (Cluster == 1) {

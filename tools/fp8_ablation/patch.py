@@ -13,6 +13,8 @@
 #   skipA / skipB  one operand never loaded (confounded: stale shared memory
 #             feeds the tensor cores zeros, which draw less power)
 #   trace_noload_noepi  trace, no loads, no TMA-store epilogue
+#   syncrel   the stage handed back with __syncwarp + lane 0's arrives
+#   scalesfirst  the scale products consumed before the wgmma fence
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 # The variants of the K loop with the stage index in a register (pingpong,
 # alternate, twoacc, unroll*, incdesc; docs/fp8-gemm-kernel-notes.md, stops
@@ -45,6 +47,23 @@ TR = [(LOC, "    const long long tr0 = clock64();\n" + LOC),
       (MATH_START, MATH_START.replace("\n  for (int tile", "\n  int tr_n = 0;\n  for (int tile"))]
 patches["trace"] = TR
 patches["trace_noload"] = TR + patches["noload"]
+# syncrel: the stage handed back through release_stage (__syncwarp, lane 0
+# arrives on each CTA) instead of the per-lane predicated arrive: what the
+# memory model's order of the lanes' A-scale reads before the arrive costs.
+REL = "        release_stage_lanes<Cluster>(&empty[s], lane);  // the wgmmas have read the stage\n"
+patches["syncrel"] = [(REL, REL.replace("release_stage_lanes", "release_stage"))]
+patches["syncrel_noload"] = patches["syncrel"] + patches["noload"]
+# scalesfirst: the scale products consumed before the wgmma fence (an empty
+# asm on each), so every lane's A-scale reads have returned before its
+# wgmmas are issued: the other way to order them, at the price of the load
+# latency before the first wgmma.
+SCALES = "        const float s10 = sa[row_in_tile + 8] * sb0, s11 = sa[row_in_tile + 8] * sb1;\n"
+patches["scalesfirst"] = [(SCALES, SCALES + "        float s00f = s00, s01f = s01, s10f = s10, s11f = s11;\n"
+                           "        cute::warpgroup_fence_operand(s00f); cute::warpgroup_fence_operand(s01f);\n"
+                           "        cute::warpgroup_fence_operand(s10f); cute::warpgroup_fence_operand(s11f);\n"),
+                          ("        promote<BlockN, kSplit>(res, acc, s00, s01, s10, s11);\n",
+                           "        promote<BlockN, kSplit>(res, acc, s00f, s01f, s10f, s11f);\n")]
+patches["scalesfirst_noload"] = patches["scalesfirst"] + patches["noload"]
 # noepi: no TMA-store epilogue (the strips are neither written nor stored):
 # the per-tile cost of the epilogue, with the trace.
 EPI = "      store_strip_tma<BlockN>(map_d, res, strip, lane, n0, c.row0 + warp_row0, p.n_cols);"
