@@ -205,23 +205,10 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, const CUte
         release_stage_lanes<Cluster>(&empty[s], lane);  // the wgmmas have read the stage
         promote<BlockN, kSplit>(res, acc, s00, s01, s10, s11);
       };
-      int kt = 0;
-      for (; kt + kStages <= nkb; kt += kStages, phase ^= 1u) {
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) kblock(s, kt + s);
-      }
-      if (kt < nkb) {  // a partial last turn; its unused stages come without data
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-          if (kt + s < nkb) {
-            kblock(s, kt + s);
-          } else {
-            Barrier::wait(&full[s], phase);
-            release_stage_lanes<Cluster>(&empty[s], lane);
-          }
-        }
-        phase ^= 1u;
-      }
+      ring_turns<kStages>(nkb, phase, kblock, [&](int s) {  // a padding stage: no data
+        Barrier::wait(&full[s], phase);
+        release_stage_lanes<Cluster>(&empty[s], lane);
+      });
     });
     if constexpr (kEarlyScales) {
       if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue
@@ -315,8 +302,7 @@ __global__ void __launch_bounds__(384, 1)
         const float* as = p.a_scale + int64_t(nkb) * c.pad4_0 + m0;
         // Whole ring turns per tile, as the math warps consume them: the
         // last turn's stages past nkb get an arrival without data.
-        const int nkb_turns = (nkb + kStages - 1) / kStages * kStages;
-        for (int kb = 0; kb < nkb_turns; ++kb) {
+        for (int kb = 0; kb < ring_slots<kStages>(nkb); ++kb) {
           Barrier::wait(&empty[pos.stage], pos.phase ^ 1u);
           if (kb >= nkb) {
             Barrier::arrive(&full[pos.stage]);

@@ -81,6 +81,37 @@ __device__ __forceinline__ void release_stage_lanes(uint64_t* empty, int lane) {
   }
 }
 
+// Both kernels' K loops go in whole ring turns: every tile starts at ring
+// stage 0, so a stage's barriers, scales and descriptors sit at compile-time
+// offsets once the walk is unrolled.  The producer pads a partial last turn
+// with stages that carry no data (ring_slots); the math warps call
+// kblock(s, kb) for K-block kb on stage s and pad(s) for a padding stage,
+// and `phase` (of the full barriers) flips once per turn.
+template <int Stages>
+__host__ __device__ constexpr int ring_slots(int nkb) {
+  return (nkb + Stages - 1) / Stages * Stages;
+}
+
+template <int Stages, class KBlock, class Pad>
+__device__ __forceinline__ void ring_turns(int nkb, uint32_t& phase, KBlock&& kblock, Pad&& pad) {
+  int kt = 0;
+  for (; kt + Stages <= nkb; kt += Stages, phase ^= 1u) {
+#pragma unroll
+    for (int s = 0; s < Stages; ++s) kblock(s, kt + s);
+  }
+  if (kt < nkb) {
+#pragma unroll
+    for (int s = 0; s < Stages; ++s) {
+      if (kt + s < nkb) {
+        kblock(s, kt + s);
+      } else {
+        pad(s);
+      }
+    }
+    phase ^= 1u;
+  }
+}
+
 // bf16 epilogue of one math warp's 16 x BlockN fragment: kEpilogueCols
 // columns per pass go into the warp's staging tile (rows lane/4 and +8, rows
 // of kEpilogueRowBytes: the fragment's 4-byte writes hit 32 distinct banks)

@@ -141,7 +141,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   // release_stage: its warp barrier keeps the compiler from moving the next
   // stage's loads up into this promotion (with the predicated per-lane
   // arrive of the fprop kernel, n192 spilled inside the loop).
-  auto kblock = [&](int s) {
+  auto kblock = [&](int s, int) {
     Barrier::wait(&full[s], phase);
     const uint8_t* st = smem + s * L::kStageBytes;
     const float* sc = reinterpret_cast<const float*>(smem + L::kScaleOffset + s * L::kScaleStageBytes);
@@ -164,23 +164,10 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     // pads a partial last turn with stages that carry no data.  No __trap
     // or other exit may sit on this path (it costs the loop setmaxnreg's
     // registers, kernel_1x128_128x128.cuh).
-    int kt = 0;
-    for (; kt + kStages <= nkb; kt += kStages, phase ^= 1u) {
-#pragma unroll
-      for (int s = 0; s < kStages; ++s) kblock(s);
-    }
-    if (kt < nkb) {
-#pragma unroll
-      for (int s = 0; s < kStages; ++s) {
-        if (kt + s < nkb) {
-          kblock(s);
-        } else {
-          Barrier::wait(&full[s], phase);
-          release_stage<Cluster>(&empty[s], lane);
-        }
-      }
-      phase ^= 1u;
-    }
+    ring_turns<kStages>(nkb, phase, kblock, [&](int s) {  // a padding stage: no data
+      Barrier::wait(&full[s], phase);
+      release_stage<Cluster>(&empty[s], lane);
+    });
 
     const int64_t member = int64_t(t.group) * p.n_rows * p.k_cols;
     const int warp_row0 = n0 + wg * 64 + w_in_wg * 16;
@@ -262,8 +249,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
         const float* bs = p.b_scale + b_ld * kb0 + k0;
         // Whole ring turns per tile, as the math warps consume them: the
         // last turn's stages past nkb get an arrival without data.
-        const int nkb_turns = (nkb + kStages - 1) / kStages * kStages;
-        for (int kb = 0; kb < nkb_turns; ++kb) {
+        for (int kb = 0; kb < ring_slots<kStages>(nkb); ++kb) {
           Barrier::wait(&empty[pos.stage], pos.phase ^ 1u);
           if (kb >= nkb) {
             Barrier::arrive(&full[pos.stage]);
