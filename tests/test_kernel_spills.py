@@ -8,8 +8,9 @@ path (`__trap()`) was held to the launch bound's 168 registers instead of
 setmaxnreg's 224 and spilled 0.7-3.8 KB per thread; a scale pair read one
 step too early spilled inside the n192c1 loop.  Each configuration is
 compiled alone for sm_90a with the extension's code-generation flags, and
-ptxas's spill report must stay under a bound today's kernels meet (the
-n192 fprop kernels spill 28-108 bytes, outside the K loop).
+ptxas must report no spill at all: the last small ones (28-108 bytes in the
+width-192 fprop kernels, outside the K loop, with a 56 / 224 register split)
+cost 2-4 % of their compute-only time (stop 35).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Bytes of spill stores / loads per thread a configuration may report.
-MAX_SPILL_BYTES = 256
+MAX_SPILL_BYTES = 0
 
 FPROP = [(w, c) for w in (128, 160, 192) for c in (1, 2)]
 WGRAD = [(w, c) for w in (128, 192) for c in (1, 2)]

@@ -12,11 +12,21 @@
 namespace lpmoe {
 namespace fp8_gemm {
 
-// setmaxnreg split of the 384-thread CTA: the producer warpgroup (one thread
-// issues copies) gives its registers to the two math warpgroups, which hold
-// a BlockN/2-float scratch accumulator and a BlockN/2-float result each.
-constexpr int kProducerRegs = 56;
-constexpr int kMathRegs = 224;
+// setmaxnreg splits of the 384-thread CTAs: the producer warpgroup (one
+// thread issues copies) gives its registers to the two math warpgroups,
+// which hold a BlockN/2-float scratch accumulator and a BlockN/2-float
+// result each.  Both keep the launch bound's total of 64512 registers.
+// fprop/dgrad 40 / 232 (DeepGEMM's split): with 56 / 224 the width-192
+// kernels spilled 28-108 bytes per thread, and without the spills their
+// compute-only time is 2-4 % lower (docs/fp8-gemm-kernel-notes.md, stop 35).
+// wgrad 56 / 224: its producer (two token-major operands, scale copies)
+// spills at 40.
+struct RegSplit {
+  int producer;
+  int math;
+};
+constexpr RegSplit kFpropRegs{40, 232};
+constexpr RegSplit kWgradRegs{56, 224};
 
 // acc = A(64 x 128) B(N x 128)^T of one K-block (four 32-deep wgmmas on the
 // stage's swizzled tiles), waited for; the fences keep the compiler from

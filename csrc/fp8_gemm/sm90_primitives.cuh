@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "cute/arch/cluster_sm90.hpp"
+#include "cute/arch/copy_sm90.hpp"  // stmatrix (the TMA-store strip)
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/arch/mma_sm90_desc.hpp"

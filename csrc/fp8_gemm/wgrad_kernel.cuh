@@ -125,7 +125,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int wg = warp_uniform(threadIdx.x / 128);
-  cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
+  cutlass::arch::warpgroup_reg_alloc<kWgradRegs.math>();
   // Fragment of a 64 x BlockN wgmma tile: thread (warp w, lane l) holds rows
   // 16w + l/4 and +8, columns 8j + 2(l%4) + {0,1}.
   const int w_in_wg = warp % 4;
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
   const int tile_step = gridDim.x / Cluster;
 
   if (wg == 2) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<kWgradRegs.producer>();
     if (threadIdx.x == 256) {
       constexpr int kBRows = BlockN / Cluster;  // x^T rows this CTA loads (and multicasts)
       const int64_t a_ld = (p.n_rows + 3) / 4 * 4;

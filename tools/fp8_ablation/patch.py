@@ -68,6 +68,14 @@ patches["scalesfirst_noload"] = patches["scalesfirst"] + patches["noload"]
 # the per-tile cost of the epilogue, with the trace.
 EPI = "      store_strip_tma<BlockN>(map_d, res, strip, lane, n0, c.row0 + warp_row0, p.n_cols);"
 patches["trace_noload_noepi"] = TR + patches["noload"] + [(EPI, "      if (p.num_groups < 0) " + EPI.lstrip())]
+# b4wait: the tile's B scales read before the full-barrier wait (DeepGEMM's
+# order).  Stop 35 landed the variants stsm (the strip written with
+# stmatrix) and r232 (the 40 / 232 register split); regs232 (r232 + b4wait)
+# timed like r232.
+BSC = "        const float sb0 = sb[kb], sb1 = sb[nkb + kb];\n"
+WAITL = "        Barrier::wait(&full[s], phase);\n        // This tile's B scales"
+patches["b4wait"] = [(BSC, ""), (WAITL, BSC + WAITL)]
+patches["b4wait_noload"] = patches["b4wait"] + patches["noload"]
 MW = "fp8_gemm/math_warpgroup.cuh"
 H = "fp8_gemm/block_scaled.h"
 EXP = "TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
