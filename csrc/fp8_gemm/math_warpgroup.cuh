@@ -79,9 +79,11 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
 // stage only after every math warp of both CTAs arrived and a TMA load came
 // back from L2.  release_stage (__syncwarp, lane 0 arrives on each CTA)
 // makes the order formal; in the fprop K loop it compiles to the same SASS
-// but for lane 0 issuing both arrives (the next stage's wait still moves
-// into the promotion), and it is the candidate replacement once timed on
-// the GPU (tools/fp8_ablation variant `syncrel`).
+// but for lane 0 issuing both arrives, and measured 1-3 % slower at K 2048
+// (tools/fp8_ablation variant `syncrel`, docs/fp8-gemm-kernel-notes.md
+// stop 35).  In the SASS each lane's A-scale loads feed FMULs issued before
+// the wgmma wait in a converged warp, so they have returned before the
+// instruction carrying the arrive issues.
 template <int Cluster>
 __device__ __forceinline__ void release_stage_lanes(uint64_t* empty, int lane) {
   if constexpr (Cluster == 1) {

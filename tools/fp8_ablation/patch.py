@@ -76,6 +76,13 @@ BSC = "        const float sb0 = sb[kb], sb1 = sb[nkb + kb];\n"
 WAITL = "        Barrier::wait(&full[s], phase);\n        // This tile's B scales"
 patches["b4wait"] = [(BSC, ""), (WAITL, BSC + WAITL)]
 patches["b4wait_noload"] = patches["b4wait"] + patches["noload"]
+# Tile-boundary costs, compute-only: noepi_noload (no strip, no stores),
+# nofetch_noload (cluster 2 without the next tile's B-scale fetch: stale
+# scales, timing only), late_noload (cluster 2 fetching at the tile start).
+patches["noepi_noload"] = patches["noload"] + [(EPI, "      if (p.num_groups < 0) " + EPI.lstrip())]
+FETCH = "      if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue"
+patches["nofetch_noload"] = patches["noload"] + [(FETCH, FETCH.replace("tile + tile_step < total", "tile + tile_step < total && p.num_groups < 0"))]
+patches["late_noload"] = patches["noload"] + [("  constexpr bool kEarlyScales = Cluster == 2;", "  constexpr bool kEarlyScales = false;")]
 MW = "fp8_gemm/math_warpgroup.cuh"
 H = "fp8_gemm/block_scaled.h"
 EXP = "TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
