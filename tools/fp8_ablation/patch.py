@@ -15,6 +15,8 @@
 #   trace_noload_noepi  trace, no loads, no TMA-store epilogue
 #   syncrel   the stage handed back with __syncwarp + lane 0's arrives
 #   scalesfirst  the scale products consumed before the wgmma fence
+#   overlap_epilogue  (diffs/) the next tile's first K-block issued before the
+#             finished tile's epilogue (stop 35: slower at n192c2, spills)
 #   trace     clock64() per tile of CTA 0's two math warpgroups (harness -DTRACE)
 # The variants of the K loop with the stage index in a register (pingpong,
 # alternate, twoacc, unroll*, incdesc; docs/fp8-gemm-kernel-notes.md, stops
@@ -113,4 +115,21 @@ for name, subs in patches.items():
         if s.count(old) != 1:
             print("skip", name); shutil.rmtree(dst.parent); break
         f.write_text(s.replace(old, new))
+# Whole-kernel experiments kept as diffs against csrc/ (diffs/<name>.diff,
+# `git diff -- csrc` of the experiment): variant <name> and <name>_noload.
+import subprocess
+for diff in sorted((pathlib.Path(__file__).parent / "diffs").glob("*.diff")):
+    for name, extra in ((diff.stem, []), (diff.stem + "_noload", patches["noload"])):
+        dst = pathlib.Path(__file__).parent / "variants" / name
+        if dst.exists(): shutil.rmtree(dst)
+        shutil.copytree(root / "csrc", dst / "csrc")
+        ok = subprocess.run(["patch", "-s", "-p1", "-d", str(dst), "-i", str(diff)], capture_output=True).returncode == 0
+        for old, new in extra:
+            f = dst / "csrc" / K
+            s = f.read_text()
+            ok = ok and s.count(old) == 1
+            if ok: f.write_text(s.replace(old, new))
+        if not ok:
+            print("skip", name); shutil.rmtree(dst); continue
+        patches[name] = []
 print(" ".join(patches))
