@@ -5,7 +5,7 @@ A K loop that spills costs the tensor pipe 5-25 % and nothing else notices
 it: every correctness test still passes.  It happened twice (docs/
 fp8-gemm-kernel-notes.md, stops 33-34): an unrolled loop with an exit on its
 path (`__trap()`) was held to the launch bound's 168 registers instead of
-setmaxnreg's 224 and spilled 0.7-3.8 KB per thread; a scale pair read one
+the 224 that setmaxnreg then gave and spilled 0.7-3.8 KB per thread; a scale pair read one
 step too early spilled inside the n192c1 loop.  Each configuration is
 compiled alone for sm_90a with the extension's code-generation flags, and
 ptxas must report no spill at all: the last small ones (28-108 bytes in the
