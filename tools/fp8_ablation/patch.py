@@ -85,6 +85,11 @@ patches["noepi_noload"] = patches["noload"] + [(EPI, "      if (p.num_groups < 0
 FETCH = "      if (tile + tile_step < total) fetch_b_scales(tile + tile_step);  // lands during the epilogue"
 patches["nofetch_noload"] = patches["noload"] + [(FETCH, FETCH.replace("tile + tile_step < total", "tile + tile_step < total && p.num_groups < 0"))]
 patches["late_noload"] = patches["noload"] + [("  constexpr bool kEarlyScales = Cluster == 2;", "  constexpr bool kEarlyScales = false;")]
+# band8 / band32: the scheduler's bands of 128-row tiles (activations kept
+# in L2 while the weights stream) at half / twice today's 16.
+BAND = "H:constexpr int kBandRowTiles = 16;"
+patches["band8"] = [(BAND, "constexpr int kBandRowTiles = 8;")]
+patches["band32"] = [(BAND, "constexpr int kBandRowTiles = 32;")]
 MW = "fp8_gemm/math_warpgroup.cuh"
 H = "fp8_gemm/block_scaled.h"
 EXP = "TxBarrier::arrive_and_expect_tx(&full[pos.stage], L::kStageBytes + sa_bytes);"
