@@ -193,7 +193,7 @@ __device__ __forceinline__ void math_loop(const BlockScaledParams& p, const CUte
 
     // Whole ring turns from stage 0 (see the top of the file).  No __trap
     // or other exit may sit on this path: with one, ptxas kept the unrolled
-    // loop to the launch bound's 168 registers instead of setmaxnreg's 224
+    // loop to the launch bound's 168 registers instead of setmaxnreg's
     // and spilled (found with -Xptxas -v on an experimental guard).
     split_dispatch<BlockN>(split, [&](auto split_tag) {
       constexpr int kSplit = decltype(split_tag)::value;

@@ -17,10 +17,12 @@ namespace fp8_gemm {
 // which hold a BlockN/2-float scratch accumulator and a BlockN/2-float
 // result each.  Both keep the launch bound's total of 64512 registers.
 // fprop/dgrad 40 / 232 (DeepGEMM's split): with 56 / 224 the width-192
-// kernels spilled 28-108 bytes per thread, and without the spills their
-// compute-only time is 2-4 % lower (docs/fp8-gemm-kernel-notes.md, stop 35).
-// wgrad 56 / 224: its producer (two token-major operands, scale copies)
-// spills at 40.
+// kernels spilled 28-108 bytes per thread; with this split (landed together
+// with the stmatrix strip) their compute-only time is 2.7-2.8 % lower
+// (docs/fp8-gemm-kernel-notes.md, stop 35).  wgrad 56 / 224: its producer
+// (two token-major operands, scale copies) spills at 40.  These two are the
+// only splits the launch's 168 x 384 registers allow: the math warpgroups'
+// increase must fit in what the producer's decrease frees.
 struct RegSplit {
   int producer;
   int math;
@@ -79,7 +81,7 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
 // stage only after every math warp of both CTAs arrived and a TMA load came
 // back from L2.  release_stage (__syncwarp, lane 0 arrives on each CTA)
 // makes the order formal; in the fprop K loop it compiles to the same SASS
-// but for lane 0 issuing both arrives, and measured 1-3 % slower at K 2048
+// but for lane 0 issuing both arrives, and measured 1-5 % slower at K 2048
 // (tools/fp8_ablation variant `syncrel`, docs/fp8-gemm-kernel-notes.md
 // stop 35).  In the SASS each lane's A-scale loads feed FMULs issued before
 // the wgmma wait in a converged warp, so they have returned before the

@@ -128,7 +128,9 @@ for diff in sorted((pathlib.Path(__file__).parent / "diffs").glob("*.diff")):
         dst = pathlib.Path(__file__).parent / "variants" / name
         if dst.exists(): shutil.rmtree(dst)
         shutil.copytree(root / "csrc", dst / "csrc")
-        ok = subprocess.run(["patch", "-s", "-p1", "-d", str(dst), "-i", str(diff)], capture_output=True).returncode == 0
+        # --fuzz=0: a diff that no longer matches exactly is skipped, never applied loosely.
+        ok = shutil.which("patch") is not None and subprocess.run(
+            ["patch", "-s", "--fuzz=0", "-p1", "-d", str(dst), "-i", str(diff)], capture_output=True).returncode == 0
         for old, new in extra:
             f = dst / "csrc" / K
             s = f.read_text()
