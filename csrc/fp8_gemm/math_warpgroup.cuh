@@ -20,9 +20,10 @@ namespace fp8_gemm {
 // kernels spilled 28-108 bytes per thread; with this split (landed together
 // with the stmatrix strip) their compute-only time is 2.7-2.8 % lower
 // (docs/fp8-gemm-kernel-notes.md, stop 35).  wgrad 56 / 224: its producer
-// (two token-major operands, scale copies) spills at 40.  These two are the
-// only splits the launch's 168 x 384 registers allow: the math warpgroups'
-// increase must fit in what the producer's decrease frees.
+// (two token-major operands, scale copies) spills at 40.  Any split must
+// keep to the launch's 168 x 384 registers: the math warpgroups' increase
+// must fit in what the producer's decrease frees, 256 (math - 168) <=
+// 128 (168 - producer), in steps of 8.
 struct RegSplit {
   int producer;
   int math;
