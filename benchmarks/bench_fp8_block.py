@@ -50,6 +50,9 @@ def case_ops(tokens, k, n, skewed):
     qc = Float8BlockQuantizer(block_dim=1, rowwise=False)
     outc = lpmoe.group_quantize(x, qc, n, first_dims=fd)
     ops["dequant 1D col"] = (lambda: lpmoe.group_dequantize(outc, torch.bfloat16), elems + 2 * elems)
+    q2c = Float8BlockQuantizer(block_dim=2, rowwise=False)
+    out2c = lpmoe.group_quantize(x, q2c, n, first_dims=fd)
+    ops["dequant 2D col"] = (lambda: lpmoe.group_dequantize(out2c, torch.bfloat16), elems + 2 * elems)
     # the dequantize's traffic mix (1 byte read, 2 written) without its math:
     # PyTorch's own FP8 -> bf16 cast of the same bytes, a floor for "dequant"
     fp8_rows = outr.rowwise_data.view(torch.float8_e4m3fn)
