@@ -52,6 +52,19 @@ def grouped(t, splits):
                          rowwise_data=t.view(-1), first_dims=m)
 
 
+def bf16_fprop_pair(g, tokens, k, n):
+    """(lpmoe, torch, x, w): closures of one bf16 grouped fprop on uniform
+    groups, lpmoe.grouped_gemm and torch._grouped_mm over the same operands
+    (x as a GroupedTensor, the (g, n, k) weights)."""
+    splits = splits_for(g, tokens, False)
+    offs = torch.cumsum(torch.tensor(splits, device="cuda"), 0).to(torch.int32)
+    x = torch.randn(tokens, k, device="cuda").bfloat16()
+    w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
+    xg = grouped(x, splits)
+    return (lambda: lpmoe.grouped_gemm(xg, w, kind="fprop", backend="grouped"),
+            lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), xg, w)
+
+
 def make_operands(k, n, g, splits):
     """(a, b) of each kind, FP8 block and bf16, plus the bf16 tensors."""
     rows = sum(splits)

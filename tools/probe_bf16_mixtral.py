@@ -11,18 +11,10 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-import lpmoe  # noqa: E402
-from _common import median_ms, splits_for  # noqa: E402
-from bench_grouped_gemm import grouped  # noqa: E402
+from _common import median_ms  # noqa: E402
+from bench_grouped_gemm import bf16_fprop_pair  # noqa: E402
 
-g, tokens, k, n = 8, 16384, 4096, 14336
-splits = splits_for(g, tokens, False)
-offs = torch.cumsum(torch.tensor(splits, device="cuda"), 0).to(torch.int32)
-x = torch.randn(tokens, k, device="cuda").bfloat16()
-w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
-xg = grouped(x, splits)
-ours = lambda: lpmoe.grouped_gemm(xg, w, kind="fprop", backend="grouped")  # noqa: E731
-theirs = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # noqa: E731
+ours, theirs, _, _ = bf16_fprop_pair(8, 16384, 4096, 14336)
 for _ in range(6):
     ours(), theirs()
 torch.cuda.synchronize()

@@ -21,11 +21,10 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-import lpmoe  # noqa: E402
 from lpmoe._ext import ext  # noqa: E402
 from lpmoe.gemm.operands import parse_operands  # noqa: E402
-from bench_grouped_gemm import grouped  # noqa: E402
-from _common import host_us, splits_for  # noqa: E402
+from bench_grouped_gemm import bf16_fprop_pair  # noqa: E402
+from _common import host_us  # noqa: E402
 
 
 def captured(name, fn):
@@ -61,13 +60,7 @@ def runtime_calls(fn, n=20):
 
 def main():
     g, tokens, k, n = 64, 4096, 2048, 1536  # qwen3-up, 64-token groups: the host-bound case
-    splits = splits_for(g, tokens, False)
-    offs = torch.cumsum(torch.tensor(splits, device="cuda"), 0).to(torch.int32)
-    x = torch.randn(tokens, k, device="cuda").bfloat16()
-    w = (torch.randn(g, n, k, device="cuda") * 0.02).bfloat16()
-    xg = grouped(x, splits)
-    ours = lambda: lpmoe.grouped_gemm(xg, w, kind="fprop", backend="grouped")  # noqa: E731
-    theirs = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # noqa: E731
+    ours, theirs, xg, w = bf16_fprop_pair(g, tokens, k, n)
     gemm, gemm_args = captured("grouped_gemm_cutlass", ours)
     epi, epi_args = captured("grouped_row_epilogue", ours)
     cases = {
