@@ -71,6 +71,40 @@ def test_reference_exp_accuracy_and_specials():
     assert sp[4] == float("inf") and sp[5] == 0
 
 
+def _kernel_exp_for_sigmoid(x):
+    """The kernels' exp (csrc/activation/act_math.cuh, exp_for_sigmoid) in
+    torch: the spec's exp with x clamped to [-86, 87.5] and 2^n applied as one
+    multiply."""
+    xc = x.float().clamp(-86.0, 87.5)
+    j = xc * R.LOG2E + R.MAGIC
+    n = j - R.MAGIC
+    r = R.fma32(-n, R.LN2_LO, R.fma32(-n, R.LN2_HI, xc))
+    p = R.EXP_TAYLOR[0]
+    for c in R.EXP_TAYLOR[1:] + [R.HALF, R.ONE, R.ONE]:
+        p = R.fma32(p, r, c)
+    pow2n = ((j.view(torch.int32).long() << 23) + 0x3F800000) & 0xFFFFFFFF  # 32-bit wrap-around
+    pow2n = torch.where(pow2n >= 1 << 31, pow2n - (1 << 32), pow2n).to(torch.int32)
+    return p * pow2n.view(torch.float32)
+
+
+def test_kernel_exp_shortcut_gives_the_spec_sigmoid():
+    """The kernels clamp exp's input to [-86, 87.5] and scale by 2^n in one
+    multiply; the sigmoid built on it must equal the spec's bit for bit:
+    every fp32 in the two clamp regions (|x| in [80, 112), every 3rd value),
+    the clamp bounds' neighbours, and random values."""
+    base = torch.arange(0x42A00000, 0x42E00000, 3, dtype=torch.int64).to(torch.int32).view(torch.float32)  # 80..112
+    edges = torch.tensor([86.0, 87.5, 86.64, 88.72, 103.97, 104.0, 1e30, float("inf"), float("nan"), 0.0])
+    edges = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(1e38))])
+    x = torch.cat([base, -base, edges, -edges, torch.randn(100000) * 30])
+    e_kernel = _kernel_exp_for_sigmoid(-x)
+    inside = (-x >= -86.0) & (-x <= 87.5)
+    assert torch.equal(e_kernel[inside].view(torch.int32), R.exp_lp(-x)[inside].view(torch.int32))
+    ours = R.rcp_lp(R.ONE + e_kernel)
+    spec = R.sigmoid_lp(x)
+    assert same_bits(ours, spec) == 0
+    assert bool(torch.isnan(ours[torch.isnan(x)]).all())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_reference_forward_close_to_torch(kind):
     h = rand_h(512, 256, torch.float32, specials=False)
@@ -268,6 +302,35 @@ def test_gpu_fused_backward_fp8_bitexact(monkeypatch, splits, f, kind):
     # the fused bias gradient is group_quantize_dbias's, bit for bit
     _, dbias = lpmoe.group_quantize_dbias(rdh.cuda(), qdh, len(splits), first_dims=sp.cuda())
     assert torch.equal(res.dbias.view(torch.int16), dbias.view(torch.int16))
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kernels_bitexact_on_every_input_value(monkeypatch, kind, dtype):
+    """Every 16-bit pattern as the activation input (the gate for GLU kinds):
+    the element math of the fused kernels (high precision and, for bf16, FP8)
+    equals the reference on its whole input domain, not only on samples."""
+    _poisoned_empty(monkeypatch)
+    f = 256
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).reshape(-1, f)
+    rows = every.shape[0]
+    x = torch.cat([every, rand_h(rows, f, dtype, seed=3)], dim=1) if Activation(kind).is_glu else every
+    da = rand_h(rows, f, dtype, seed=4, specials=False)
+    p = torch.rand(rows)
+    spec = Activation(kind)
+    ra = R.activation_forward(x, kind, p)
+    rdh, _, rdp = R.activation_backward(da, x, kind, p)
+    a = kernels.forward(x.cuda(), spec, p.cuda(), None, write_hp=True).hp
+    res = kernels.backward(da.cuda(), x.cuda(), spec, p.cuda(), None, dh_hp=True)
+    assert same_bits(a, ra) == 0 and same_bits(res.dh, rdh) == 0 and same_bits(res.dprobs, rdp) == 0
+    if dtype == torch.bfloat16:
+        q = Float8BlockQuantizer(E4M3, block_dim=1)
+        sp = torch.tensor([rows])
+        before = kernels.CALLS["fused_forward"]
+        fw = kernels.forward(x.cuda(), spec, p.cuda(), sp.cuda(), write_hp=False, quantizer=q)
+        assert kernels.CALLS["fused_forward"] == before + 1
+        _assert_same_fp8(_ref_quantized(ra, q, sp)[0], fw.quantized)
 
 
 @requires_cuda

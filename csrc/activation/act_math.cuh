@@ -2,7 +2,7 @@
 //
 // Every operation is an explicit IEEE round-to-nearest-even fp32 intrinsic
 // (__fmul_rn, __fadd_rn, __fmaf_rn: nothing is contracted behind our back),
-// the exponential is lpmoe's own (fused multiply-adds, power-of-two scales)
+// the exponential is lpmoe's own (fused multiply-adds, a power-of-two scale)
 // and the reciprocal is correctly rounded, so the pure-PyTorch reference
 // (python/lpmoe/reference/activation.py) computes the same bits on the CPU.
 // Nothing branches per element (selects only), so the compiler can
@@ -33,16 +33,22 @@ __device__ __forceinline__ float clamp_nan(float x, float lo, float hi) {
   return y;
 }
 
-// e^x, branch- and select-free: x clamped to [-104, 88.75] (NaN kept);
-// n = rint(x log2 e) (adding 1.5 * 2^23), r = fma(-n, LN2_LO, fma(-n, LN2_HI,
-// x)), p the degree-7 Taylor polynomial by Horner's rule in fused
-// multiply-adds, and 2^n applied as two exact power-of-two factors so only
-// the last multiply rounds.  The clamp bounds make the result overflow to
-// +inf above 88.72 and round to 0 below -103.97 on their own.
-__device__ __forceinline__ float exp_lp(float x) {
-  const float xc = clamp_nan(x, -104.0f, 88.75f);
+// e^x as the sigmoid below needs it, branch- and select-free: x clamped to
+// [-86, 87.5] (NaN kept); n = rint(x log2 e) (adding 1.5 * 2^23), r =
+// fma(-n, LN2_LO, fma(-n, LN2_HI, x)), p the degree-7 Taylor polynomial by
+// Horner's rule in fused multiply-adds, times 2^n.  Inside the clamp this is
+// the spec's exp bit for bit (docs/activation-notes.md; p * 2^n is normal
+// there, so one exact multiply by 2^n equals the spec's two half-steps).
+// Outside it the spec's exp would go on towards 0 or +inf, and the sigmoid
+// cannot tell the difference: e^-86 < 2^-24, so 1 + e rounds to 1 either
+// way, and e^87.5 > 2^125, where rcp_lp gives 0 either way.  That saves the
+// two-step scaling (6-7 instructions per element) of an issue-heavy kernel.
+// 2^n comes from j's bits: j = 1.5 * 2^23 + n, and (j << 23) keeps n << 23
+// (the constant's low 9 bits are 0); a NaN j gives the finite 0.5, so a NaN
+// p stays NaN.
+__device__ __forceinline__ float exp_for_sigmoid(float x) {
+  const float xc = clamp_nan(x, -86.0f, 87.5f);
   const float j = add(mul(xc, f32(0x3FB8AA3Bu)), 12582912.0f);  // + 1.5 * 2^23: rint in the low bits
-  const int ni = __float_as_int(j) - 0x4B400000;
   const float n = sub(j, 12582912.0f);
   const float r = fma(-n, f32(0x35BFBE8Eu), fma(-n, f32(0x3F317200u), xc));
   float p = f32(0x39500D01u);                 // 1/7!
@@ -53,8 +59,8 @@ __device__ __forceinline__ float exp_lp(float x) {
   p = fma(p, r, 0.5f);
   p = fma(p, r, 1.0f);
   p = fma(p, r, 1.0f);
-  const int n1 = ni >> 1;  // floor(n / 2); n in [-150, 128]
-  return mul(mul(p, __int_as_float((n1 + 127) << 23)), __int_as_float((ni - n1 + 127) << 23));
+  const uint32_t pow2n = (__float_as_uint(j) << 23) + 0x3F800000u;  // n in [-124, 126]: normal
+  return mul(p, __uint_as_float(pow2n));
 }
 
 // 1 / y for y >= 1, correctly rounded, branch-free: the reciprocal
@@ -69,7 +75,7 @@ __device__ __forceinline__ float rcp_lp(float y) {
 }
 
 // 1 / (1 + e^-x), branch-free (0 for x below about -86.6).
-__device__ __forceinline__ float sigmoid_lp(float x) { return rcp_lp(add(1.0f, exp_lp(-x))); }
+__device__ __forceinline__ float sigmoid_lp(float x) { return rcp_lp(add(1.0f, exp_for_sigmoid(-x))); }
 
 // gelu(x) (tanh form) = x * sigmoid(y), y = GELU_C (x + GELU_A x^3); returns
 // the value and sets s = sigmoid(y).
