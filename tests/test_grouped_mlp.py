@@ -320,24 +320,29 @@ def _drop_order():
     refs = {k: weakref.ref(v if isinstance(v, torch.Tensor) else v.columnwise_data)
             for k, v in held.items() if k in ("x1", "w1", "w2", "x2", "h")}
     del held, node
-    seen, real = [], steps.grouped_gemm
+    seen, real, real_act = [], steps.grouped_gemm, kernels.backward
 
     def spy(*a, **kw):
         seen.append((kw["kind"], sorted(k for k, r in refs.items() if r() is not None)))
         return real(*a, **kw)
-    steps.grouped_gemm = spy
+
+    def spy_act(*a, **kw):  # dh's transposed FP8 copy, made by the activation backward
+        res = real_act(*a, **kw)
+        refs["dh_col"] = weakref.ref(res.dh_quantized.columnwise_data)
+        return res
+    steps.grouped_gemm, kernels.backward = spy, spy_act
     try:
         y.backward(torch.randn_like(y))
     finally:
-        steps.grouped_gemm = real
-    return len(refs), seen
+        steps.grouped_gemm, kernels.backward = real, real_act
+    return len(refs) - 1, seen
 
 
 def test_fp8_backward_drops_each_copy_after_its_last_reader():
     """The FP8 MLP backward runs wgrad before dgrad in each layer and lets
     every copy the forward made die right after its last reader: fc2's
     transposed input before fc2's dgrad, fc2's weights and h before fc1's
-    GEMMs, x's transposed copy before fc1's dgrad (the memory peak of the
+    GEMMs, x's and dh's transposed copies before fc1's dgrad (the memory peak of the
     step, docs/grouped-mlp-notes.md).  Runs in a fresh interpreter: after a
     torch.compile that failed earlier in the process (test_compile checks
     one), PyTorch keeps finished frames of the backward alive until the
@@ -353,7 +358,7 @@ def test_fp8_backward_drops_each_copy_after_its_last_reader():
     assert count == 5   # every copy the forward made is held, none saved
     assert [tuple(s) for s in seen] == [("wgrad", ["h", "w1", "w2", "x1", "x2"]),   # fc2
                                         ("dgrad", ["h", "w1", "w2", "x1"]),
-                                        ("wgrad", ["w1", "x1"]),                    # fc1
+                                        ("wgrad", ["dh_col", "w1", "x1"]),          # fc1
                                         ("dgrad", ["w1"])]
 
 

@@ -156,5 +156,15 @@ def test_opcheck_grouped_mlp(recipe):
     args = _mlp_args(recipe, bias=recipe is None)
     _check(OPS.grouped_mlp, args, fp8=recipe is not None, layer=True)
     out = OPS.grouped_mlp(*args)
-    bargs = layer_ops.backward_args(layer_ops._grouped_mlp, args, out, torch.randn_like(out[0]))
-    _check(OPS.grouped_mlp_backward, _detached(bargs), fp8=recipe is not None, layer=True)
+    fc2_args, fc1_args = layer_ops.backward_args(layer_ops._grouped_mlp, args, out, torch.randn_like(out[0]))
+    _check(OPS.grouped_mlp_backward, _detached(fc2_args), fp8=recipe is not None, layer=True)
+    # the fc1 ops (weight, then input gradients) read the first op's flattened fc1 output gradient
+    dh = OPS.grouped_mlp_backward(*fc2_args)[layer_ops.mlp_grad_count(args[-1]):]
+    key = fc2_args[-2]
+    assert sorted(fc1_args) == ["dgrad", "wgrad"]
+    for part, rest in fc1_args.items():
+        _check(OPS.grouped_mlp_backward_fc1, _detached((layer_ops.fc1_dh(dh, key, part),) + rest),
+               fp8=recipe is not None, layer=True)
+    # the one-op form (small layers)
+    _check(OPS.grouped_mlp_backward, _detached(layer_ops.whole_backward_args(args, out, torch.randn_like(out[0]))),
+           fp8=recipe is not None, layer=True)

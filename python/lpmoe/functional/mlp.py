@@ -34,7 +34,8 @@ from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
 from lpmoe.functional.linear import needs_of
-from lpmoe.functional.linear_steps import backward_steps, fused_wgrad_results, linear_forward, main_grads_of
+from lpmoe.functional.linear_steps import (backward_steps, bias_step, dgrad_step, fused_wgrad_results, linear_forward,
+                                           main_grads_of, wgrad_step)
 from lpmoe.functional.params import Params, as_inputs, from_inputs, grads_for, input_count, is_stacked
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
@@ -125,40 +126,96 @@ def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig):
                fw2.saved_x if need2.wgrad else None)
 
 
-@shares_offsets
-def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=(None, None)):
-    """Gradients (dx, dprobs, w1, b1, w2, b2 lists or None) from the saved
-    objects, which ``take(name)`` hands over one at a time (so each can be
-    dropped right after its last reader)."""
+@dataclass
+class Dh:
+    """fc1's output gradient as the activation backward wrote it: the FP8
+    operands of fc1's GEMMs (both directions, with fc1's fused bias
+    gradient) or the high-precision dh its policy prepares.  The compiled
+    backward hands it from the fc2 stage's op to the fc1 stage's op."""
+    quantized: Optional[GroupedTensor] = None
+    hp: Optional[torch.Tensor] = None
+    dbias: Optional[torch.Tensor] = None
+
+    def grad(self, policy: LinearPolicy, splits: Splits, need: Needs) -> Grad:
+        if self.quantized is not None:
+            return grad_views(self.quantized, need, self.dbias)
+        return policy.grad(self.hp, splits, need) if (need.dgrad or need.wgrad) else Grad(hp=self.hp)
+
+
+#: the saved objects each backward stage reads (the compiled backward runs
+#: the stages as separate ops, so each stage's inputs die when it returns)
+STAGE_FC2, STAGE_FC1 = ("probs", "w2", "h", "x2"), ("x1", "w1")
+
+
+def mlp_backward_fc2(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
+    """fc2's backward, then the activation backward: (Dh or None, dprobs,
+    fc2's weight grads, fc2's bias grads).  ``take(name)`` hands the saved
+    objects over one at a time (each can be dropped after its last reader)."""
     need1, need2, need_probs = cfg.needs
-    spec = cfg.spec
-    main1, main2 = main_grads
     pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
     probs = take("probs")
 
     grad2 = pol2.grad(grad_out.contiguous(), splits, need2)
     da, w2_grads, b2_grads = backward_steps(pol2, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
-                                            dtype=dtype, main_grads=main2)
+                                            dtype=dtype, main_grads=main_grads)
     del grad2
 
-    dx, w1_grads, b1_grads, dprobs = None, None, None, None
+    dh, dprobs = None, None
     h = take("h")
     if need2.dgrad:
         # One pass over (da, h): fc1's output gradient in the form fc1's
         # GEMMs read (with fc1's bias gradient when fused), and d probs.
         q1 = pol1.grad_quantizer(need1)
-        res = kernels.backward(da, h, spec, probs, splits.device, dh_hp=need1.any and q1 is None,
+        res = kernels.backward(da, h, cfg.spec, probs, splits.device, dh_hp=need1.any and q1 is None,
                                dh_quantizer=q1, dbias=need1.dbias and q1 is not None, dprobs=need_probs)
         del da, h
         dprobs = res.dprobs
         if need1.any:
-            if q1 is not None:
-                grad1 = grad_views(res.dh_quantized, need1, res.dbias)
-            else:
-                grad1 = pol1.grad(res.dh, splits, need1) if (need1.dgrad or need1.wgrad) else Grad(hp=res.dh)
-            del res
-            dx, w1_grads, b1_grads = backward_steps(pol1, grad1, take("x1"), take("w1"), splits, need1,
-                                                    cfg.fc1.shape, dtype=dtype, main_grads=main1)
+            dh = Dh(res.dh_quantized, None, res.dbias) if q1 is not None else Dh(None, res.dh, None)
+    return dh, dprobs, w2_grads, b2_grads
+
+
+def mlp_backward_fc1(dh: Optional[Dh], take, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
+    """fc1's backward from the fc2 stage's Dh: (dx, weight grads, bias grads).
+    Call it with the only reference to ``dh`` (no decorator frame either:
+    each FP8 copy of dh must die with the GEMM that reads it)."""
+    need1 = cfg.needs[0]
+    if dh is None:
+        return None, None, None
+    grad1 = dh.grad(cfg.fc1.policy, splits, need1)
+    del dh
+    return backward_steps(cfg.fc1.policy, grad1, take("x1"), take("w1"), splits, need1, cfg.fc1.shape,
+                          dtype=dtype, main_grads=main_grads)
+
+
+@shares_offsets
+def mlp_backward_fc1_wgrad(dh: Dh, x1, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
+    """fc1's weight and bias gradients alone (the compiled backward's third
+    stage runs the dgrad): the same steps as :func:`mlp_backward_fc1`."""
+    need1 = cfg.needs[0]
+    need = Needs(dgrad=False, wgrad=need1.wgrad, dbias=need1.dbias)
+    grad1 = dh.grad(cfg.fc1.policy, splits, need)
+    del dh
+    tokens = cfg.fc1.policy.wgrad_tokens(x1, splits) if need.wgrad else None
+    del x1
+    w_grads = wgrad_step(grad1, tokens, splits, need, dtype=dtype, main_grads=main_grads)
+    return w_grads, bias_step(grad1, splits, need, dtype)
+
+
+def mlp_backward_fc1_dgrad(dh: Dh, w1, splits: Splits, cfg: MLPConfig) -> torch.Tensor:
+    """fc1's input gradient alone (see :func:`mlp_backward_fc1_wgrad`)."""
+    grad1 = dh.grad(cfg.fc1.policy, splits, Needs(dgrad=True, wgrad=False, dbias=False))
+    del dh
+    return dgrad_step(cfg.fc1.policy, grad1, w1, splits, cfg.fc1.shape)
+
+
+def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=(None, None)):
+    """Gradients (dx, dprobs, w1, b1, w2, b2 lists or None): both stages."""
+    first = list(mlp_backward_fc2(grad_out, take, splits, cfg, dtype, main_grads[1]))
+    dprobs, w2_grads, b2_grads = first[1:]
+    # pop: the fc1 stage holds the only reference, so each FP8 copy of dh
+    # dies with the GEMM that reads it
+    dx, w1_grads, b1_grads = mlp_backward_fc1(first.pop(0), take, splits, cfg, dtype, main_grads[0])
     return dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads
 
 

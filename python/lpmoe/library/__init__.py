@@ -15,7 +15,8 @@ shapes; CPU tensors run the bit-exact reference through the same ops):
 Layers, with autograd registered (``register_autograd``):
 
 * ``grouped_linear`` / ``grouped_linear_backward``
-* ``grouped_mlp`` / ``grouped_mlp_backward``
+* ``grouped_mlp`` / ``grouped_mlp_backward`` (fc2 + activation) and
+  ``grouped_mlp_backward_fc1``
 
 Why Python ``torch.library.custom_op`` rather than ``TORCH_LIBRARY`` schemas
 in C++: every op needs a Python CPU implementation (the reference) and a
@@ -32,5 +33,6 @@ node (lpmoe.library.grouped_codec).
 OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group_dequantize", "quantize",
             "dequantize", "grouped_gemm",
             "grouped_gemm_out", "activation_forward", "activation_backward", "grouped_linear",
-            "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "permute_scatter", "permute_gather",
+            "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "grouped_mlp_backward_fc1",
+            "permute_scatter", "permute_gather",
             "router_topk")

@@ -25,6 +25,8 @@ mutation).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +40,7 @@ from lpmoe.functional.splits import Splits, parse_splits
 from lpmoe.functional.weights import WeightCache, cache_by_key
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
+from lpmoe.grouped_tensor import sharing_offsets
 from lpmoe.library.grouped_codec import symbolic_sizes
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Needs, policy_for
@@ -45,13 +48,16 @@ from lpmoe.policy import Needs, policy_for
 Tensor = torch.Tensor
 
 #: calls of the layer ops' real implementations (tests prove the op ran)
-CALLS = {"grouped_linear": 0, "grouped_linear_backward": 0, "grouped_mlp": 0, "grouped_mlp_backward": 0}
+CALLS = {"grouped_linear": 0, "grouped_linear_backward": 0, "grouped_mlp": 0, "grouped_mlp_backward": 0,
+         "grouped_mlp_backward_fc1": 0}
 
 
 def backward_args(op, fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
     """Arguments of the backward op of ``op`` (the grouped_linear or
     grouped_mlp op) after a forward with ``fwd_args`` returned ``fwd_out``,
-    as the registered autograd formula passes them (tests, opcheck)."""
+    as the registered autograd formula passes them (tests, opcheck); for the
+    MLP a pair: the fc2 op's arguments and {fc1 part: that op's arguments
+    without its first}."""
     class _Ctx:
         def save_for_backward(self, *t):
             self.saved_tensors = t
@@ -64,7 +70,40 @@ def backward_args(op, fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
     for n in counts:
         fused.append(list(ctx.saved_tensors[at:at + n]))
         at += n
-    return (grad, list(ctx.saved_tensors[at:]), ctx.saved_tensors[0], host, *fused, config, key, k)
+    saved = list(ctx.saved_tensors[at:])
+    if op is _grouped_linear:
+        return (grad, saved, ctx.saved_tensors[0], host, *fused, config, key, k)
+    # the MLP's first backward op (fc2 + activation), and the fc1 ops'
+    # arguments but their first (their part of the first op's outputs past
+    # its gradients, see mlp_backward_stages)
+    fc2 = (grad, [saved[i] for i in saved_layout.stage_slots(key, _STAGE_FC2)], ctx.saved_tensors[0], host,
+           [], fused[1], config, key, False)
+    return fc2, fc1_stage_args(saved, ctx.saved_tensors[0], host, fused[0], config, key, grad.shape[0])
+
+
+def whole_backward_args(op_args: tuple, fwd_out, grad: Tensor) -> tuple:
+    """Arguments of the MLP backward op in its one-op form (small layers)."""
+    class _Ctx:
+        def save_for_backward(self, *t):
+            self.saved_tensors = t
+    ctx = _Ctx()
+    _mlp_setup(ctx, op_args, fwd_out)
+    host, config, key, k, _, _, (n1, n2) = ctx.meta
+    m_splits, *saved = ctx.saved_tensors
+    return (grad, saved[n1 + n2:], m_splits, host, saved[:n1], saved[n1:n1 + n2], config, key, True)
+
+
+def fc1_dh(dh_flat: List[Tensor], key: str, part: str) -> List[Tensor]:
+    """The first argument of the fc1 op ``part`` from the first op's dh outputs."""
+    return [dh_flat[i] for i in saved_layout.stage_slots(key + "|dh", _DH_FOR[part])]
+
+
+def mlp_grad_count(config: str) -> int:
+    """How many gradients lead the MLP's first backward op's outputs (the
+    flattened fc1 output gradient follows them)."""
+    c = specs.parse(config)
+    need2 = _needs(c["needs"][1])
+    return int(c["needs"][2]) + int(_wgrad_out(c, need2, "fc2")) + int(need2.dbias)
 
 
 def _cache_key(cache: Optional[WeightCache], is_first_microbatch) -> int:
@@ -285,45 +324,133 @@ def _(x, probs, m_splits, host_splits, w1, b1, w2, b2, config):
         return _mlp_forward(x, probs, m_splits, host_splits, w1, b1 or None, w2, b2 or None, config, fake=True)
 
 
-def _mlp_backward_run(grad, saved, m_splits, host, fused1, fused2, config, key, num_inputs, fake):
-    c = specs.parse(config)
-    cfg = _mlp_config(c, fake)
+# The backward runs as three ops, (1) fc2 + the activation, (2) fc1's
+# weight (and bias) gradients, (3) fc1's input gradient, each given only the
+# saved tensors it reads (saved_layout.stage_slots): a compiled graph holds
+# an op's inputs until the op returns, so h and fc2's copies die before
+# fc1's GEMMs allocate, and x's and dh's transposed copies before fc1's
+# dgrad, as in eager (one op holding everything peaked 0.75-1 GiB higher
+# at DeepSeek-V3 shapes, 8 x 64k tokens).  The first op returns fc1's output
+# gradient flattened under the key + "|dh" as four objects, so each fc1 op
+# receives only its direction.
+_STAGE_FC2 = tuple(mlp.SAVED.index(n) for n in mlp.STAGE_FC2)
+_SAVED_FOR = {"wgrad": (mlp.SAVED.index("x1"),), "dgrad": (mlp.SAVED.index("w1"),)}
+_DH_FOR = {"wgrad": (0, 2, 3), "dgrad": (1, 2)}  # of (wgrad operand, dgrad operand, hp, fused dbias)
+
+
+def _wgrad_out(c: dict, need: Needs, layer: str) -> bool:
+    return need.wgrad and c[layer]["fuse"] is None  # fused: added into main_grad instead
+
+
+def _fc1_parts(need1: Needs) -> Tuple[str, ...]:
+    return (("wgrad",) if need1.wgrad or need1.dbias else ()) + (("dgrad",) if need1.dgrad else ())
+
+
+def _mlp_backward_whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, fake):
+    """The whole backward in one op (small layers): [dx] [dprobs] [w1 grads]
+    [b1 grads] [w2 grads] [b2 grads]."""
     dtype = specs.dtype_from_name(c["dtype"])
     need1, need2, need_probs = cfg.needs
-    wgrad1, wgrad2 = (need.wgrad and c[layer]["fuse"] is None for need, layer in ((need1, "fc1"), (need2, "fc2")))
-    g = c["num"]
+    wgrad1, wgrad2 = _wgrad_out(c, need1, "fc1"), _wgrad_out(c, need2, "fc2")
+    g, t = c["num"], grad.shape[0]
     if fake:
-        dev = grad.device
-        (_, w, hidden), (_, _, ffn) = c["fc1"]["shape"], c["fc2"]["shape"]
-        out = [torch.empty((grad.shape[0], hidden), dtype=dtype, device=dev)] if need1.dgrad else []
-        out += [torch.empty((grad.shape[0],), dtype=specs.dtype_from_name(c["probs_dtype"]), device=dev)] \
-            if need_probs else []
+        (_, w, hidden), (_, _, ffn), dev = c["fc1"]["shape"], c["fc2"]["shape"], grad.device
+        out = [torch.empty((t, hidden), dtype=dtype, device=dev)] if need1.dgrad else []
+        out += [torch.empty((t,), dtype=specs.dtype_from_name(c["probs_dtype"]), device=dev)] if need_probs else []
         for need, wgrad, (n, k) in ((need1, wgrad1, (w, hidden)), (need2, wgrad2, (hidden, ffn))):
             out += [torch.empty((g, n, k), dtype=dtype, device=dev)] if wgrad else []
             out += [torch.empty((g, n), dtype=dtype, device=dev)] if need.dbias else []
         return out
-    CALLS["grouped_mlp_backward"] += 1
     main_grads = (fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"]),
                   fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"]))
-    objs = dict(zip(mlp.SAVED, saved_layout.rebuild(key, saved, num_inputs, grad.shape[0])))
+    objs = dict(zip(mlp.SAVED, saved_layout.rebuild(key, saved, 0, t, range(len(mlp.SAVED)))))
     del saved
-    splits = _splits(m_splits, host, g, grad.shape[0], grad.device, False)
+    splits = _splits(m_splits, host, g, t, grad.device, False)
     dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype, main_grads)
     out = ([dx] if need1.dgrad else []) + ([dprobs] if need_probs else [])
     out += ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
     return out + ([w2g] if wgrad2 else []) + ([b2g] if need2.dbias else [])
 
 
+def _mlp_backward_fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, whole, fake):
+    c = specs.parse(config)
+    cfg = _mlp_config(c, fake)
+    if not fake:
+        CALLS["grouped_mlp_backward"] += 1
+    if whole:
+        return _mlp_backward_whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, fake)
+    dtype = specs.dtype_from_name(c["dtype"])
+    need1, need2, need_probs = cfg.needs
+    tokens = grad.shape[0]
+    main2 = None if fake else fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"])
+    objs = dict(zip(mlp.STAGE_FC2, saved_layout.rebuild(key, saved, 0, tokens, _STAGE_FC2)))
+    splits = _splits(m_splits, host, c["num"], tokens, grad.device, fake)
+    with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
+        dh, dprobs, w2g, b2g = mlp.mlp_backward_fc2(grad, objs.pop, splits, cfg, dtype, main2)
+        q = dh.quantized if dh is not None else None
+        dh_objs = (None, None, None, None) if dh is None else (
+            q.direction_view(columnwise=True) if q is not None and need1.wgrad else None,
+            q.direction_view(columnwise=False) if q is not None and need1.dgrad else None, dh.hp, dh.dbias)
+        del dh, q
+        dh_flat = saved_layout.flatten(key + "|dh", dh_objs, {}, fake, tokens, foreign=[grad, *saved])
+    out = ([dprobs] if need_probs else []) + ([w2g] if _wgrad_out(c, need2, "fc2") else [])
+    return out + ([b2g] if need2.dbias else []) + dh_flat
+
+
+def _mlp_backward_fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, tokens, part, fake):
+    c = specs.parse(config)
+    dtype = specs.dtype_from_name(c["dtype"])
+    need1 = _needs(c["needs"][0])
+    wgrad1 = _wgrad_out(c, need1, "fc1")
+    if fake:
+        (g, w, hidden), dev = c["fc1"]["shape"], dh_flat[0].device
+        if part == "dgrad":
+            return [torch.empty((tokens, hidden), dtype=dtype, device=dev)]
+        out = [torch.empty((g, w, hidden), dtype=dtype, device=dev)] if wgrad1 else []
+        return out + ([torch.empty((g, w), dtype=dtype, device=dev)] if need1.dbias else [])
+    CALLS["grouped_mlp_backward_fc1"] += 1
+    cfg = _mlp_config(c, False)
+    (saved_obj,) = saved_layout.rebuild(key, saved, 0, tokens, _SAVED_FOR[part])
+    dh_objs = saved_layout.rebuild(key + "|dh", dh_flat, 0, tokens, _DH_FOR[part])
+    del dh_flat, saved
+    splits = _splits(m_splits, host, c["num"], tokens, saved_obj.device if isinstance(saved_obj, Tensor) else
+                     (m_splits.device if m_splits is not None else dh_objs[-1].device), False)
+    with sharing_offsets():
+        if part == "dgrad":
+            qrow, hp = dh_objs
+            del dh_objs
+            return [mlp.mlp_backward_fc1_dgrad(mlp.Dh(qrow, hp, None), saved_obj, splits, cfg)]
+        qcol, hp, dbias = dh_objs
+        del dh_objs
+        main1 = fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"])
+        w1g, b1g = mlp.mlp_backward_fc1_wgrad(mlp.Dh(qcol, hp, dbias), saved_obj, splits, cfg, dtype, main1)
+    if b1g is not None and b1g is dbias:  # the activation's fused bias gradient, already in dtype: an input
+        b1g = b1g.clone()
+    return ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
+
+
 @torch.library.custom_op("lpmoe::grouped_mlp_backward", mutates_args=())
 def _grouped_mlp_backward(grad: Tensor, saved: List[Tensor], m_splits: Optional[Tensor],
                           host_splits: Optional[List[int]], fused1: List[Tensor], fused2: List[Tensor], config: str,
-                          key: str, num_inputs: int) -> List[Tensor]:
-    return _mlp_backward_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, num_inputs, False)
+                          key: str, whole: bool) -> List[Tensor]:
+    return _mlp_backward_fc2_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole, False)
 
 
 @_grouped_mlp_backward.register_fake
-def _(grad, saved, m_splits, host_splits, fused1, fused2, config, key, num_inputs):
-    return _mlp_backward_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, num_inputs, True)
+def _(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole):
+    return _mlp_backward_fc2_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole, True)
+
+
+@torch.library.custom_op("lpmoe::grouped_mlp_backward_fc1", mutates_args=())
+def _grouped_mlp_backward_fc1(dh: List[Tensor], saved: List[Tensor], m_splits: Optional[Tensor],
+                              host_splits: Optional[List[int]], fused1: List[Tensor], config: str, key: str,
+                              tokens: int, part: str) -> List[Tensor]:
+    return _mlp_backward_fc1_run(dh, saved, m_splits, host_splits, fused1, config, key, tokens, part, False)
+
+
+@_grouped_mlp_backward_fc1.register_fake
+def _(dh, saved, m_splits, host_splits, fused1, config, key, tokens, part):
+    return _mlp_backward_fc1_run(dh, saved, m_splits, host_splits, fused1, config, key, tokens, part, True)
 
 
 def _mlp_setup(ctx, inputs, output):
@@ -337,12 +464,64 @@ def _mlp_setup(ctx, inputs, output):
     ctx.meta = (host, config, key, k, b1 is not None, b2 is not None, (len(fused1), len(fused2)))
 
 
+def mlp_backward_stages(grad, saved, m_splits, host, fused1, fused2, config: str, key: str) -> list:
+    """The backward ops in order (or their implementations, when not
+    tracing): [dx] [dprobs] [w1 grads] [b1 grads] [w2 grads] [b2 grads], each
+    present when the configuration asks for it."""
+    need1 = _needs(specs.parse(config)["needs"][0])
+    op = tracing()
+    if not split_backward(config, grad.shape[0]):
+        args = (grad, saved, m_splits, host, fused1, fused2, config, key, True)
+        del saved, grad
+        return _grouped_mlp_backward(*args) if op else _mlp_backward_fc2_run(*args, False)
+    parts = fc1_stage_args(saved, m_splits, host, fused1, config, key, grad.shape[0])
+    fc2_args = (grad, [saved[i] for i in saved_layout.stage_slots(key, _STAGE_FC2)], m_splits, host, [], fused2,
+                config, key, False)
+    del saved, grad
+    res = _grouped_mlp_backward(*fc2_args) if op else _mlp_backward_fc2_run(*fc2_args, False)
+    del fc2_args
+    n2 = mlp_grad_count(config)
+    fc2_part, dh_flat = res[:n2], res[n2:]
+    del res
+    out = {}
+    if need1.any and dh_flat:
+        for part, args in parts.items():
+            dh = [dh_flat[i] for i in saved_layout.stage_slots(key + "|dh", _DH_FOR[part])]
+            out[part] = _grouped_mlp_backward_fc1(dh, *args) if op else _mlp_backward_fc1_run(dh, *args, False)
+            del dh
+    del dh_flat, parts
+    n_probs = int(specs.parse(config)["needs"][2])
+    return out.get("dgrad", []) + fc2_part[:n_probs] + out.get("wgrad", []) + fc2_part[n_probs:]
+
+
+#: h's bytes from which the MLP backward runs as three ops: below, the
+#: memory an op boundary would free is small and the two extra op calls'
+#: host time (~0.2-0.3 ms per step each on the H100's host, measured at 4k
+#: tokens) would dominate a launch-bound step
+SPLIT_BACKWARD_BYTES = 64 << 20
+
+
+def split_backward(config: str, tokens) -> bool:
+    """Whether the compiled MLP backward runs in three ops (large layers) or one."""
+    c = specs.parse(config)
+    w = c["fc1"]["shape"][1]
+    return bool(tokens * w * specs.dtype_from_name(c["dtype"]).itemsize >= SPLIT_BACKWARD_BYTES)
+
+
+def fc1_stage_args(saved, m_splits, host, fused1, config: str, key: str, tokens) -> Dict[str, tuple]:
+    """Arguments (after the first) of each fc1 backward op the configuration runs."""
+    need1 = _needs(specs.parse(config)["needs"][0])
+    return {part: ([saved[i] for i in saved_layout.stage_slots(key, _SAVED_FOR[part])], m_splits, host,
+                   fused1 if part == "wgrad" else [], config, key, tokens, part)
+            for part in _fc1_parts(need1)}
+
+
 def _mlp_backward(ctx, grad_out, _grad_saved):
     host, config, key, k, has_b1, has_b2, (n1, n2) = ctx.meta
     m_splits, *saved = ctx.saved_tensors
     fused1, fused2, saved = saved[:n1], saved[n1:n1 + n2], saved[n1 + n2:]
-    args = (grad_out.contiguous(), saved, m_splits, host, fused1, fused2, config, key, k)
-    res = _grouped_mlp_backward(*args) if tracing() else _mlp_backward_run(*args, False)
+    res = mlp_backward_stages(grad_out.contiguous(), saved, m_splits, host, fused1, fused2, config, key)
+    del saved
     c = specs.parse(config)
     need1, need2, need_probs = (_needs(v) if isinstance(v, list) else v for v in c["needs"])
     g = c["num"]
@@ -365,7 +544,7 @@ def _mlp_backward(ctx, grad_out, _grad_saved):
 
 
 _grouped_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
-fused_mg.register_side_effects(_grouped_linear_backward, _grouped_mlp_backward)
+fused_mg.register_side_effects(_grouped_linear_backward, _grouped_mlp_backward, _grouped_mlp_backward_fc1)
 
 
 def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_first_microbatch, needs) -> tuple:

@@ -37,7 +37,7 @@ from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library import specs
 from lpmoe.library.grouped_codec import FIELDS, meta_of
 
-__all__ = ["flatten", "inputs_to_save", "rebuild", "LAYOUTS", "CALLS", "FORMAT"]
+__all__ = ["flatten", "inputs_to_save", "rebuild", "stage_slots", "LAYOUTS", "CALLS", "FORMAT"]
 
 #: Version of what the layer ops return for their backward.  It is part of
 #: every layer op's configuration string, a constant of the compiled graph,
@@ -45,8 +45,9 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "LAYOUTS", "CALLS", "FORMAT"]
 #: layout miss the cache instead of failing Inductor's output checks
 #: (3: layout keys without the token count; a cached backward with an old
 #: key raised KeyError in LAYOUTS; 4: the backward ops take the fused
-#: weights, fuse_wgrad_accumulation under compile).
-FORMAT = 4
+#: weights, fuse_wgrad_accumulation under compile; 5: the MLP backward runs
+#: as two ops, fc2 + activation, then fc1).
+FORMAT = 5
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}
@@ -107,10 +108,11 @@ def _canonical_shape(g: GroupedTensor, tokens) -> tuple:
 
 
 class _Flattener:
-    def __init__(self, inputs: Dict[str, torch.Tensor], tokens=None):
+    def __init__(self, inputs: Dict[str, torch.Tensor], tokens=None, foreign: Sequence[torch.Tensor] = ()):
         self.tokens = tokens
         self.by_id = {id(t): path for path, t in inputs.items() if t is not None}
-        self.input_storages = {_storage(t) for t in inputs.values() if t is not None}
+        # foreign: the op's other inputs; tensors sharing their storage are cloned
+        self.input_storages = {_storage(t) for t in list(inputs.values()) + list(foreign) if t is not None}
         self.fresh: List[torch.Tensor] = []
         self.originals: List[torch.Tensor] = []  # fresh[i] before any clone
         self.fresh_ids: Dict[int, int] = {}
@@ -167,12 +169,14 @@ class _Flattener:
 
 
 def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor], fake: bool = False,
-            tokens=None) -> List[torch.Tensor]:
+            tokens=None, foreign: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
     """Fresh tensors of ``objs``; records (or follows) the layout under
     ``key``.  ``fake``: the call runs on fake tensors (tracing): no plan is
     recorded from it.  ``tokens``: the call's token count (an int, or a
     SymInt while tracing with dynamic shapes); token-row groups record it
-    as TOKENS, and ``key`` must not contain it."""
+    as TOKENS, and ``key`` must not contain it.  ``foreign``: inputs of the
+    op that the layout must not refer to (anything sharing their storage is
+    cloned)."""
     plan = _PLANS.get(key)
     if plan is not None and not fake:
         fresh = plan.gather(objs, inputs, tokens)
@@ -181,7 +185,7 @@ def flatten(key: str, objs: Sequence, inputs: Dict[str, torch.Tensor], fake: boo
             return fresh
     CALLS["walked"] += 1
     known = LAYOUTS.get(key)
-    fl = _Flattener(inputs, tokens)
+    fl = _Flattener(inputs, tokens, foreign)
     entries = []
     for i, obj in enumerate(objs):
         want = None
@@ -331,17 +335,40 @@ def inputs_to_save(key: str, inputs: Dict[str, torch.Tensor]) -> Tuple[List[torc
     return [inputs[p] for p in paths], len(paths)
 
 
-def rebuild(key: str, saved: Sequence[torch.Tensor], num_inputs: int, tokens: int) -> list:
+def stage_slots(key: str, objects: Sequence[int]) -> List[int]:
+    """Positions, in ``inputs_to_save`` + the op's fresh tensors, of what
+    the saved objects at indices ``objects`` read (ascending): a backward run
+    in stages hands each stage only its tensors, so the rest can die."""
+    _, steps = _rebuild_plan(key)
+    slots = set()
+    for i in objects:
+        kind, ref, _ = steps[i]
+        refs = () if kind == "none" else ((ref,) if kind == "t" else (ref if kind == "l" else [r for _, r in ref]))
+        slots.update(r if isinstance(r, int) else r[0] for r in refs if r is not None)
+    return sorted(slots)
+
+
+def rebuild(key: str, saved: Sequence[torch.Tensor], num_inputs: int, tokens: int,
+            objects: Optional[Sequence[int]] = None) -> list:
     """The saved objects from ``inputs_to_save`` + the op's fresh tensors;
-    ``tokens``: the call's token count (the rows of TOKENS groups)."""
+    ``tokens``: the call's token count (the rows of TOKENS groups).  With
+    ``objects``: only the objects at those indices, ``saved`` holding only
+    their :func:`stage_slots` (``num_inputs`` is then unused)."""
     paths, steps = _rebuild_plan(key)
-    if num_inputs != len(paths):
-        raise RuntimeError(f"lpmoe: {num_inputs} saved inputs, the layout has {len(paths)}; please report this")
+    if objects is None:
+        if num_inputs != len(paths):
+            raise RuntimeError(f"lpmoe: {num_inputs} saved inputs, the layout has {len(paths)}; please report this")
+        at = None
+    else:
+        at = {slot: pos for pos, slot in enumerate(stage_slots(key, objects))}
+        if len(at) != len(saved):
+            raise RuntimeError(f"lpmoe: {len(saved)} tensors for a stage that reads {len(at)}; please report this")
+        steps = [steps[i] for i in objects]
 
     def get(i):
         if isinstance(i, int):
-            return saved[i]
-        whole = saved[i[0]]
+            return saved[i if at is None else at[i]]
+        whole = saved[i[0] if at is None else at[i[0]]]
         return whole.as_strided(i[1], i[2], whole.storage_offset() + i[3])
 
     out = []
