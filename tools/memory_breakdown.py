@@ -6,12 +6,13 @@ block grouped by where it was allocated (innermost lpmoe frames).
 
     PYTHONPATH=python:benchmarks python3 tools/memory_breakdown.py \
         [--experts 8] [--tokens 65536] [--recipe fp8|bf16|all] [--grads fresh|main_grad|all]
-        [--x-in-step]
+        [--x-in-step] [--compile]
 
 --x-in-step makes the MLP's input inside the step (as an MoE layer's token
 permutation does), so a recipe that keeps x for its backward pays for it;
 without it x is a leaf the caller holds, which the high-precision backward
-keeps by reference for free.
+keeps by reference for free.  --compile runs the step through
+torch.compile(fullgraph=True) (the layer ops, lpmoe.library.mlp_ops).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def replay(trace):
     return peak, at_peak, cause
 
 
-def run(g, tokens, recipe_name, grads, x_in_step):
+def run(g, tokens, recipe_name, grads, x_in_step, compiled=False):
     m = torch.tensor([tokens // g] * g, device="cuda")
     x0 = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     p = torch.rand(tokens, device="cuda", requires_grad=True)
@@ -60,6 +61,7 @@ def run(g, tokens, recipe_name, grads, x_in_step):
     recipe = Float8BlockScaling() if recipe_name == "fp8" else None
     main = grads == "main_grad"
     mlp = lpmoe.GroupedMLP(g, HIDDEN, FFN, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=main)
+    run_mlp = torch.compile(mlp, fullgraph=True) if compiled else mlp
     if main:
         for lin in (mlp.linear_fc1, mlp.linear_fc2):
             buf = torch.zeros((g,) + tuple(lin.weight0.shape), device="cuda")
@@ -71,7 +73,7 @@ def run(g, tokens, recipe_name, grads, x_in_step):
         mlp.zero_grad(set_to_none=True)
         with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
             # x0 * 1: a fresh activation that only the MLP holds, as a token permutation makes
-            mlp(x0 * 1.0 if x_in_step else x0, m, probs=p).backward(dy)
+            run_mlp(x0 * 1.0 if x_in_step else x0, m, probs=p).backward(dy)
 
     step()
     x0.grad = p.grad = None
@@ -91,7 +93,8 @@ def run(g, tokens, recipe_name, grads, x_in_step):
     groups = collections.defaultdict(list)
     for size, frames in at_peak.values():
         groups[where(frames)].append(size)
-    print(f"== {recipe_name} {grads}{' x-in-step' if x_in_step else ''}: {g} experts x {tokens} tokens: "
+    print(f"== {recipe_name} {grads}{' x-in-step' if x_in_step else ''}{' compiled' if compiled else ''}: "
+          f"{g} experts x {tokens} tokens: "
           f"peak above start {measured / 2**30:.3f} GiB (allocator), {peak / 2**30:.3f} GiB (trace replay); "
           f"reached by: {where(cause)}")
     for k, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
@@ -109,10 +112,11 @@ def main():
     ap.add_argument("--recipe", default="all", choices=("fp8", "bf16", "all"))
     ap.add_argument("--grads", default="all", choices=("fresh", "main_grad", "all"))
     ap.add_argument("--x-in-step", action="store_true")
+    ap.add_argument("--compile", action="store_true")
     a = ap.parse_args()
     for recipe in (("fp8", "bf16") if a.recipe == "all" else (a.recipe,)):
         for grads in (("fresh", "main_grad") if a.grads == "all" else (a.grads,)):
-            run(a.experts, a.tokens, recipe, grads, a.x_in_step)
+            run(a.experts, a.tokens, recipe, grads, a.x_in_step, a.compile)
 
 
 if __name__ == "__main__":

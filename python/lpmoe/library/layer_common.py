@@ -1,0 +1,52 @@
+"""Shared pieces of the layer ops (lpmoe.library.linear_ops, .mlp_ops):
+call counters, splits and needs decoding, weight-cache keys and the
+signature that keys a saved layout."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from lpmoe.functional.splits import Splits, parse_splits
+from lpmoe.functional.weights import WeightCache
+from lpmoe.policy import Needs
+
+Tensor = torch.Tensor
+
+#: calls of the layer ops' real implementations (tests prove the op ran)
+CALLS = {"grouped_linear": 0, "grouped_linear_backward": 0, "grouped_mlp": 0, "grouped_mlp_backward": 0,
+         "grouped_mlp_backward_fc1": 0}
+
+
+def cache_key(cache: Optional[WeightCache], is_first_microbatch) -> int:
+    # Weight caches travel as integer keys (a custom op cannot take a Python
+    # object).  Only is_first_microbatch True/False uses a cache; with None no
+    # key goes into the (constant) configuration, so identical layers share
+    # one compiled graph instead of recompiling per instance.
+    return -1 if cache is None or is_first_microbatch is None else cache.key
+
+
+def op_splits(m_splits: Optional[Tensor], host: Optional[List[int]], num: int, rows: int, device, fake: bool) -> Splits:
+    if fake:  # shapes only: values are never read; fresh exactly where parse_splits makes a new tensor
+        if m_splits is None:
+            return Splits(torch.empty(num, dtype=torch.int64, device=device), host)
+        if m_splits.device.type == "cpu":  # parse_splits reads it: the host path (values unknown here)
+            return Splits(torch.empty(num, dtype=torch.int64, device=device), [0] * num)
+        return Splits(m_splits.to(torch.int64), host)
+    return parse_splits(m_splits if m_splits is not None else host, num, rows, device)
+
+
+def needs_of_list(v) -> Needs:
+    return Needs(*v)
+
+
+def signature(x: Tensor, m_splits: Optional[Tensor], params: List[Tensor]) -> str:
+    # No token count: one saved layout serves every count (dynamic shapes).
+    s = "host" if m_splits is None else f"{m_splits.dtype}@{m_splits.device.type}"
+    return f"{tuple(x.shape[1:])}|{x.dtype}|{x.device.type}|{s}|{len(params)}|{tuple(params[0].shape)}"
+
+
+def fused_weights(weights: List[Tensor], config: dict) -> List[Tensor]:
+    """The weights whose main_grad a layer's backward op adds into: all of
+    them when the layer is fused, else none."""
+    return list(weights) if config["fuse"] is not None else []
