@@ -188,7 +188,6 @@ def mlp_backward_fc1(dh: Optional[Dh], take, splits: Splits, cfg: MLPConfig, dty
                           dtype=dtype, main_grads=main_grads)
 
 
-@shares_offsets
 def mlp_backward_fc1_wgrad(dh: Dh, x1, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
     """fc1's weight and bias gradients alone (the compiled backward's third
     stage runs the dgrad): the same steps as :func:`mlp_backward_fc1`."""
@@ -209,6 +208,7 @@ def mlp_backward_fc1_dgrad(dh: Dh, w1, splits: Splits, cfg: MLPConfig) -> torch.
     return dgrad_step(cfg.fc1.policy, grad1, w1, splits, cfg.fc1.shape)
 
 
+@shares_offsets
 def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=(None, None)):
     """Gradients (dx, dprobs, w1, b1, w2, b2 lists or None): both stages."""
     first = list(mlp_backward_fc2(grad_out, take, splits, cfg, dtype, main_grads[1]))
