@@ -142,9 +142,10 @@ class Dh:
         return policy.grad(self.hp, splits, need) if (need.dgrad or need.wgrad) else Grad(hp=self.hp)
 
 
-#: the saved objects each backward stage reads (the compiled backward runs
-#: the stages as separate ops, so each stage's inputs die when it returns)
-STAGE_FC2, STAGE_FC1 = ("probs", "w2", "h", "x2"), ("x1", "w1")
+#: the saved objects the fc2 stage reads (the compiled backward of a large
+#: layer runs the stages as separate ops, so each stage's inputs die when
+#: it returns; the fc1 stage reads "x1" and "w1")
+STAGE_FC2 = ("probs", "w2", "h", "x2")
 
 
 def mlp_backward_fc2(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):

@@ -81,15 +81,10 @@ def _(x, probs, m_splits, host_splits, w1, b1, w2, b2, config):
         return _mlp_forward(x, probs, m_splits, host_splits, w1, b1 or None, w2, b2 or None, config, fake=True)
 
 
-# The backward runs as three ops, (1) fc2 + the activation, (2) fc1's
-# weight (and bias) gradients, (3) fc1's input gradient, each given only the
-# saved tensors it reads (saved_layout.stage_slots): a compiled graph holds
-# an op's inputs until the op returns, so h and fc2's copies die before
-# fc1's GEMMs allocate, and x's and dh's transposed copies before fc1's
-# dgrad, as in eager (one op holding everything peaked 0.75-1 GiB higher
-# at DeepSeek-V3 shapes, 8 x 64k tokens).  The first op returns fc1's output
-# gradient flattened under the key + "|dh" as four objects, so each fc1 op
-# receives only its direction.
+# The three-op backward (module docstring; one op holding everything
+# peaked 0.75-1 GiB above eager at DeepSeek-V3 shapes, 8 x 64k tokens): the
+# first op returns fc1's output gradient flattened under the key + "|dh" as
+# four objects, so each fc1 op receives only its direction.
 _STAGE_FC2 = tuple(mlp.SAVED.index(n) for n in mlp.STAGE_FC2)
 _SAVED_FOR = {"wgrad": (mlp.SAVED.index("x1"),), "dgrad": (mlp.SAVED.index("w1"),)}
 _DH_FOR = {"wgrad": (0, 2, 3), "dgrad": (1, 2)}  # of (wgrad operand, dgrad operand, hp, fused dbias)
