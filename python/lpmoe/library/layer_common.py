@@ -50,3 +50,15 @@ def fused_weights(weights: List[Tensor], config: dict) -> List[Tensor]:
     """The weights whose main_grad a layer's backward op adds into: all of
     them when the layer is fused, else none."""
     return list(weights) if config["fuse"] is not None else []
+
+
+def setup_context_of(setup, fwd_args: tuple, fwd_out):
+    """The context ``setup`` (a layer op's setup_context) fills after a
+    forward with ``fwd_args`` returned ``fwd_out``: how tests and opcheck
+    get the backward ops' arguments without autograd."""
+    class _Ctx:
+        def save_for_backward(self, *t):
+            self.saved_tensors = t
+    ctx = _Ctx()
+    setup(ctx, fwd_args, fwd_out)
+    return ctx

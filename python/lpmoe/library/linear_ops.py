@@ -14,7 +14,8 @@ from lpmoe.functional.weights import cache_by_key
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
-from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_splits, signature)
+from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_splits, setup_context_of,
+                                         signature)
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Needs, policy_for
 
@@ -159,11 +160,7 @@ def linear_backward_args(fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
     """Arguments of ``lpmoe::grouped_linear_backward`` after a forward with
     ``fwd_args`` returned ``fwd_out``, as the autograd formula passes them
     (tests, opcheck)."""
-    class _Ctx:
-        def save_for_backward(self, *t):
-            self.saved_tensors = t
-    ctx = _Ctx()
-    _linear_setup(ctx, fwd_args, fwd_out)
+    ctx = setup_context_of(_linear_setup, fwd_args, fwd_out)
     host, config, key, k, _, n = ctx.meta
     return (grad, list(ctx.saved_tensors[1 + n:]), ctx.saved_tensors[0], host, list(ctx.saved_tensors[1:1 + n]),
             config, key, k)

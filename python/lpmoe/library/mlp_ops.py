@@ -25,7 +25,8 @@ from lpmoe.grouped_tensor import sharing_offsets
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
-from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_splits, signature)
+from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_splits, setup_context_of,
+                                         signature)
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Needs, policy_for
 
@@ -222,14 +223,13 @@ def mlp_backward_stages(grad, saved, m_splits, host, fused1, fused2, config: str
     present when the configuration asks for it."""
     need1 = needs_of_list(specs.parse(config)["needs"][0])
     op = tracing()
-    if not split_backward(config, grad.shape[0]):
-        args = (grad, saved, m_splits, host, fused1, fused2, config, key, True)
-        del saved, grad
-        return _grouped_mlp_backward(*args) if op else _mlp_backward_fc2_run(*args, False)
-    parts = fc1_stage_args(saved, m_splits, host, fused1, config, key, grad.shape[0])
-    fc2_args = (grad, [saved[i] for i in saved_layout.stage_slots(key, _STAGE_FC2)], m_splits, host, [], fused2,
-                config, key, False)
+    args = (grad, saved, m_splits, host, fused1, fused2, config, key)
     del saved, grad
+    if not split_backward(config, args[0].shape[0]):
+        args = _whole_args(*args)
+        return _grouped_mlp_backward(*args) if op else _mlp_backward_fc2_run(*args, False)
+    fc2_args, parts = _split_args(*args)
+    del args
     res = _grouped_mlp_backward(*fc2_args) if op else _mlp_backward_fc2_run(*fc2_args, False)
     del fc2_args
     n2 = mlp_grad_count(config)
@@ -237,9 +237,9 @@ def mlp_backward_stages(grad, saved, m_splits, host, fused1, fused2, config: str
     del res
     out = {}
     if need1.any and dh_flat:
-        for part, args in parts.items():
-            dh = [dh_flat[i] for i in saved_layout.stage_slots(key + "|dh", _DH_FOR[part])]
-            out[part] = _grouped_mlp_backward_fc1(dh, *args) if op else _mlp_backward_fc1_run(dh, *args, False)
+        for part, rest in parts.items():
+            dh = fc1_dh(dh_flat, key, part)
+            out[part] = _grouped_mlp_backward_fc1(dh, *rest) if op else _mlp_backward_fc1_run(dh, *rest, False)
             del dh
     del dh_flat, parts
     n_probs = int(specs.parse(config)["needs"][2])
@@ -248,8 +248,8 @@ def mlp_backward_stages(grad, saved, m_splits, host, fused1, fused2, config: str
 
 #: h's bytes from which the MLP backward runs as three ops: below, the
 #: memory an op boundary would free is small and the two extra op calls'
-#: host time (~0.2-0.3 ms per step each on the H100's host, measured at 4k
-#: tokens) would dominate a launch-bound step
+#: host time (0.24-0.33 ms each, tools/probe_compiled_mlp.py host, H200 machine)
+#: would dominate a launch-bound step
 SPLIT_BACKWARD_BYTES = 64 << 20
 
 
@@ -260,18 +260,33 @@ def split_backward(config: str, tokens) -> bool:
     return bool(tokens * w * specs.dtype_from_name(c["dtype"]).itemsize >= SPLIT_BACKWARD_BYTES)
 
 
-def fc1_stage_args(saved, m_splits, host, fused1, config: str, key: str, tokens) -> Dict[str, tuple]:
-    """Arguments (after the first) of each fc1 backward op the configuration runs."""
+def _whole_args(grad, saved, m_splits, host, fused1, fused2, config: str, key: str) -> tuple:
+    """Arguments of the backward op in its one-op form (small layers)."""
+    return (grad, saved, m_splits, host, fused1, fused2, config, key, True)
+
+
+def _split_args(grad, saved, m_splits, host, fused1, fused2, config: str, key: str):
+    """(the first op's arguments, {fc1 part: that op's arguments but its
+    first}) of the three-op form: each op gets only the saved tensors it reads."""
+    fc2 = (grad, [saved[i] for i in saved_layout.stage_slots(key, _STAGE_FC2)], m_splits, host, [], fused2, config,
+           key, False)
     need1 = needs_of_list(specs.parse(config)["needs"][0])
-    return {part: ([saved[i] for i in saved_layout.stage_slots(key, _SAVED_FOR[part])], m_splits, host,
-                   fused1 if part == "wgrad" else [], config, key, tokens, part)
-            for part in _fc1_parts(need1)}
+    parts = {part: ([saved[i] for i in saved_layout.stage_slots(key, _SAVED_FOR[part])], m_splits, host,
+                    fused1 if part == "wgrad" else [], config, key, grad.shape[0], part)
+             for part in _fc1_parts(need1)}
+    return fc2, parts
+
+
+def _saved_of(ctx):
+    """(m_splits, host, fused1, fused2, saved, config, key) from _mlp_setup's context."""
+    host, config, key, _, _, _, (n1, n2) = ctx.meta
+    m_splits, *saved = ctx.saved_tensors
+    return m_splits, host, saved[:n1], saved[n1:n1 + n2], saved[n1 + n2:], config, key
 
 
 def _mlp_backward(ctx, grad_out, _grad_saved):
-    host, config, key, k, has_b1, has_b2, (n1, n2) = ctx.meta
-    m_splits, *saved = ctx.saved_tensors
-    fused1, fused2, saved = saved[:n1], saved[n1:n1 + n2], saved[n1 + n2:]
+    m_splits, host, fused1, fused2, saved, config, key = _saved_of(ctx)
+    has_b1, has_b2 = ctx.meta[4], ctx.meta[5]
     res = mlp_backward_stages(grad_out.contiguous(), saved, m_splits, host, fused1, fused2, config, key)
     del saved
     c = specs.parse(config)
@@ -337,29 +352,14 @@ def mlp_backward_args(fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
     ``fwd_args`` returned ``fwd_out`` (tests, opcheck); the fc1 ops' first
     argument is :func:`fc1_dh` of the first op's outputs past its
     :func:`mlp_grad_count` gradients."""
-    class _Ctx:
-        def save_for_backward(self, *t):
-            self.saved_tensors = t
-    ctx = _Ctx()
-    _mlp_setup(ctx, fwd_args, fwd_out)
-    host, config, key, _, _, _, (n1, n2) = ctx.meta
-    m_splits, *saved = ctx.saved_tensors
-    fused1, fused2, saved = saved[:n1], saved[n1:n1 + n2], saved[n1 + n2:]
-    fc2 = (grad, [saved[i] for i in saved_layout.stage_slots(key, _STAGE_FC2)], m_splits, host, [], fused2, config,
-           key, False)
-    return fc2, fc1_stage_args(saved, m_splits, host, fused1, config, key, grad.shape[0])
+    m_splits, host, fused1, fused2, saved, config, key = _saved_of(setup_context_of(_mlp_setup, fwd_args, fwd_out))
+    return _split_args(grad, saved, m_splits, host, fused1, fused2, config, key)
 
 
-def whole_backward_args(op_args: tuple, fwd_out, grad: Tensor) -> tuple:
+def whole_backward_args(fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
     """Arguments of the MLP backward op in its one-op form (small layers)."""
-    class _Ctx:
-        def save_for_backward(self, *t):
-            self.saved_tensors = t
-    ctx = _Ctx()
-    _mlp_setup(ctx, op_args, fwd_out)
-    host, config, key, k, _, _, (n1, n2) = ctx.meta
-    m_splits, *saved = ctx.saved_tensors
-    return (grad, saved[n1 + n2:], m_splits, host, saved[:n1], saved[n1:n1 + n2], config, key, True)
+    m_splits, host, fused1, fused2, saved, config, key = _saved_of(setup_context_of(_mlp_setup, fwd_args, fwd_out))
+    return _whole_args(grad, saved, m_splits, host, fused1, fused2, config, key)
 
 
 def fc1_dh(dh_flat: List[Tensor], key: str, part: str) -> List[Tensor]:
