@@ -34,6 +34,35 @@ def events_ms(fn: Callable[[], object], reps: int) -> float:
     return a.elapsed_time(b) / reps
 
 
+def sustained_ms(fn: Callable[[], object], heat_s: float = 0.5, calls: int = 40) -> float:
+    """Median ms per call once the GPU has settled at its power cap.
+
+    A long FP8 GEMM run starts at the boost clock (1980 MHz on the H200) and
+    drops within ~0.15 s to the clock the 700 W cap allows for that kernel
+    (1400-1500 MHz; tools/probe_gemm_modes.py).  A few short bursts, as
+    ``median_ms`` times them, mostly see the boost clock, where cycles alone
+    decide; a training step runs GEMMs for seconds, where energy per call
+    decides.  This runs fn back to back for ``heat_s`` seconds first, then
+    times ``calls`` more calls one by one (an event between every two calls,
+    which does not break the stream).  The heat clock starts after a first
+    call (a JIT build or plan in it would leave the GPU idle and cool, and a
+    cool GPU holds a higher clock under the same cap)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < heat_s:
+        for _ in range(8):
+            fn()
+        torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    ev[0].record()
+    for i in range(calls):
+        fn()
+        ev[i + 1].record()
+    ev[-1].synchronize()
+    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(calls))
+
+
 def graph_median_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 15, reps: int = 10) -> float:
     """Median over ``iters`` replays of a CUDA graph of ``reps`` fn() calls,
     in ms per call: the device time of fn without the host gaps between

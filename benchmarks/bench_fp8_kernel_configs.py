@@ -22,7 +22,7 @@ from lpmoe import Float8BlockQuantizer
 from lpmoe.gemm import fp8_kernel_config
 
 import _deepgemm_peer as dgp
-from _common import median_ms, parser, splits_for, write_summary
+from _common import median_ms, parser, splits_for, sustained_ms, write_summary
 
 SHAPES = {"dsv3-up": (7168, 4096), "dsv3-down": (2048, 7168), "mixtral-up": (4096, 14336),
           "qwen3-up": (2048, 1536), "qwen3-down": (768, 2048)}
@@ -62,18 +62,29 @@ def candidates(a, b, kind, splits, hp=None, w=None):
     return fns
 
 
-def measure(fns, rounds):
-    """name -> list of ms, one per round; names interleaved inside a round."""
+def measure(fns, rounds, sustained=0.0):
+    """name -> list of ms, one per round; names interleaved inside a round.
+    sustained > 0: each timing follows that many seconds of the same calls
+    (the power-capped clock, _common.sustained_ms); 0: short bursts, which
+    mostly run at the boost clock."""
     got = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            got[name].append(median_ms(fn, warmup=2, iters=5, reps=4))
+            got[name].append(sustained_ms(fn, sustained) if sustained > 0
+                             else median_ms(fn, warmup=2, iters=5, reps=4))
     return got
+
+
+def add_sustained(p):
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="time each candidate after SECONDS of its own calls (power-capped clock) "
+                        "instead of in short bursts (boost clock)")
 
 
 def main():
     p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
+    add_sustained(p)
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -94,7 +105,7 @@ def main():
         for kind in ("fprop", "dgrad"):
             flops = 2.0 * tokens * n * k
             a, b, hp = ops[kind]
-            got = measure(candidates(a, b, kind, splits, hp, ops["w"]), args.rounds)
+            got = measure(candidates(a, b, kind, splits, hp, ops["w"]), args.rounds, args.sustained)
             tf = {name: [flops / ms / 1e9 for ms in v] for name, v in got.items()}
             med = {name: statistics.median(v) for name, v in tf.items()}
             cells = " | ".join(f"{med[x]:4.0f} [{min(tf[x]):4.0f}-{max(tf[x]):4.0f}]".rjust(16) if x in med

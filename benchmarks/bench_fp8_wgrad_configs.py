@@ -21,7 +21,7 @@ from lpmoe import Float8BlockQuantizer
 from lpmoe.gemm import fp8_wgrad_kernel_config
 
 from _common import parser, splits_for, write_summary
-from bench_fp8_kernel_configs import CASES, SHAPES, measure
+from bench_fp8_kernel_configs import CASES, SHAPES, add_sustained, measure
 
 CONFIGS = {f"n{w}c{c}": (w, c) for w in (128, 192) for c in (1, 2)}
 CONFIGS.update({"cutlass": (-1, 0), "auto": (0, 0)})
@@ -56,6 +56,7 @@ def candidates(dyg, xg, splits, g, n, k):
 def main():
     p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
+    add_sustained(p)
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -72,7 +73,7 @@ def main():
         if names is None:
             names = list(fns)
             print(f"{'case':28s} | " + " | ".join(f"{x:>16s}" for x in names) + " | auto/cublas auto/cutlass")
-        got = measure(fns, args.rounds)
+        got = measure(fns, args.rounds, args.sustained)
         flops = 2.0 * tokens * n * k
         tf = {name: [flops / ms / 1e9 for ms in v] for name, v in got.items()}
         med = {name: statistics.median(v) for name, v in tf.items()}

@@ -27,11 +27,12 @@ import lpmoe
 from lpmoe import Float8BlockQuantizer, GroupedTensor
 
 import _deepgemm_peer as dgp
-from _common import graph_median_ms, median_ms, parser, splits_for, write_summary
+from _common import graph_median_ms, median_ms, parser, splits_for, sustained_ms, write_summary
 
 DG = "DeepGEMM"
 DG_GRAPH = False  # --deepgemm-graph: time DeepGEMM as a CUDA graph replay
 GRAPH = False  # --graph: time every lpmoe/torch column as CUDA graph replays (device time, no host launch cost)
+SUSTAINED = 0.0  # --sustained: seconds of each candidate's own calls before timing it (power-capped clock)
 
 Q1 = Float8BlockQuantizer(block_dim=1)
 Q2 = Float8BlockQuantizer(block_dim=2)
@@ -88,6 +89,8 @@ def tflops(flops, ms):
 def safe(fn):
     try:
         fn()
+        if SUSTAINED > 0:
+            return sustained_ms(fn, SUSTAINED)
         if GRAPH:
             return graph_median_ms(fn, iters=7, reps=5)
         return median_ms(fn, warmup=3, iters=7, reps=5)
@@ -237,17 +240,23 @@ def main():
                         "timing includes each call's host cost where it exceeds the kernel)")
     p.add_argument("--deepgemm-graph", action="store_true",
                    help="time DeepGEMM as a CUDA graph replay (no per-call Python launch cost)")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="time every column after SECONDS of its own calls, at the clock the power cap allows "
+                        "for it (the default bursts mostly run at the boost clock; _common.sustained_ms)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped_gemm: no CUDA device, nothing to time")
-    global GRAPH
-    GRAPH = args.graph
+    global GRAPH, SUSTAINED
+    GRAPH, SUSTAINED = args.graph, args.sustained
     if args.sweep is not None:
         sweep(args.sweep.split(","), args.kinds.split(","), torch.float32 if args.fp32_out else None)
         return
     torch.manual_seed(0)
-    timing = "CUDA graphs of 5 calls, device time" if GRAPH else "eager, host launch cost overlapped"
-    print(f"device {torch.cuda.get_device_name()}  (TFLOP/s; median of 7 samples x 5 calls; {timing})")
+    timing = "median of 7 samples x 5 calls; " + ("CUDA graphs of 5 calls, device time" if GRAPH else
+                                                   "eager, host launch cost overlapped")
+    if SUSTAINED > 0:
+        timing = f"median of 40 single calls after {SUSTAINED} s of the same calls (power-capped clock)"
+    print(f"device {torch.cuda.get_device_name()}  (TFLOP/s; {timing})")
     rows = []
     cases = [("dsv3-up", 8, 32768, False), ("dsv3-up", 8, 32768, True), ("dsv3-down", 8, 32768, False),
              ("qwen3-up", 32, 16384, False), ("qwen3-down", 64, 65536, True), ("mixtral-up", 8, 16384, False),

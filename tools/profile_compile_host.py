@@ -9,7 +9,7 @@ start), split into forward and backward, and the time spent inside lpmoe's
 own functions is summed per step:
 
   mlp_forward_impl / mlp_backward_impl   the layer's work (both modes)
-  _mlp_forward / _mlp_backward_run       the layer op's implementation
+  _mlp_forward / _mlp_backward_*_run     the layer op's implementation
                                          (compile: impl + saved-layout work)
   flatten / rebuild                      saved tensors across the op boundary
   check_recipe                           the op's run-time checks
@@ -29,7 +29,7 @@ import torch
 
 import lpmoe
 from lpmoe.functional import mlp as fmlp
-from lpmoe.library import layer_ops, saved_layout
+from lpmoe.library import mlp_ops, saved_layout
 from lpmoe.recipe import Float8BlockScaling
 
 ACC: dict = collections.defaultdict(float)
@@ -47,6 +47,25 @@ def _wrap(module, name):
     setattr(module, name, timed)
 
 
+def _cprofile(modes, step, n, label):
+    import cProfile
+    import io
+    import pstats
+    for k, m in modes.items():
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        # the backward in the calling thread, where cProfile sees it
+        with torch.autograd.set_multithreading_enabled(False):
+            prof.enable()
+            for _ in range(n):
+                step(m)
+            prof.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"--- cProfile {label} {k}: {n} steps\n" + out.getvalue().split("\n", 4)[-1][:5000])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
@@ -54,10 +73,12 @@ def main():
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=768)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also run N steps of each mode under cProfile and print the top functions by own time")
     a = p.parse_args()
-    for module, name in ((fmlp, "mlp_forward_impl"), (fmlp, "mlp_backward_impl"), (layer_ops, "_mlp_forward"),
-                         (layer_ops, "_mlp_backward_run"), (saved_layout, "flatten"), (saved_layout, "rebuild"),
-                         (layer_ops, "check_recipe")):
+    for module, name in ((fmlp, "mlp_forward_impl"), (fmlp, "mlp_backward_impl"), (mlp_ops, "_mlp_forward"),
+                         (mlp_ops, "_mlp_backward_fc2_run"), (mlp_ops, "_mlp_backward_fc1_run"),
+                         (saved_layout, "flatten"), (saved_layout, "rebuild"), (mlp_ops, "check_recipe")):
         _wrap(module, name)
     torch.manual_seed(0)
     x = torch.randn(a.tokens, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -97,6 +118,8 @@ def main():
                         res[k][1].append(b * 1e6)
                         for name, v in ACC.items():
                             res[k][2][name].append(v * 1e6)
+            if a.cprofile:
+                _cprofile(modes, step, a.cprofile, f"{'stacked' if stacked else 'per-expert'} {rname}")
             for k in modes:
                 fw, bw, acc = res[k]
                 parts = "  ".join(f"{n} {statistics.median(v):.0f}" for n, v in acc.items())
