@@ -74,7 +74,13 @@ def memory(case: Case):
             torch.cuda.empty_cache()
 
 
-def host(case: Case, fp8: bool):
+def _host_line(name, step, repeats):
+    """Median [min-max] over `repeats` samples of host_us (8 steps each)."""
+    v = sorted(host_us(step, n=8) for _ in range(repeats))
+    print(f"{name:10s} host {v[len(v) // 2]:8.0f} us per step [{v[0]:.0f}-{v[-1]:.0f}]", flush=True)
+
+
+def host(case: Case, fp8: bool, repeats: int = 5, profile: bool = True):
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     recipe = Float8BlockScaling() if fp8 else None
@@ -82,7 +88,7 @@ def host(case: Case, fp8: bool):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    print(f"{'eager':10s} host {host_us(step, n=8):8.0f} us per step", flush=True)
+    _host_line("eager", step, repeats)
     for name, threshold in (("one op", 1 << 62), ("three ops", 0)):
         mlp_ops.SPLIT_BACKWARD_BYTES = threshold
         torch._dynamo.reset()
@@ -90,7 +96,9 @@ def host(case: Case, fp8: bool):
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        print(f"{name:10s} host {host_us(step, n=8):8.0f} us per step", flush=True)
+        _host_line(name, step, repeats)
+        if not profile:
+            continue
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(10):
@@ -113,12 +121,14 @@ def main():
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--ffn", type=int, default=2048)
     ap.add_argument("--fp8", action="store_true", help="host: FP8 block scaling (default bf16)")
+    ap.add_argument("--repeats", type=int, default=5, help="host: samples of 8 steps per form (median, range)")
+    ap.add_argument("--no-cprofile", action="store_true", help="host: skip the cProfile of each compiled form")
     a = ap.parse_args()
     case = Case(a)
     if a.what == "memory":
         memory(case)
     else:
-        host(case, a.fp8)
+        host(case, a.fp8, a.repeats, not a.no_cprofile)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,19 @@ class ValueFields:
         cls.__init__ = __init__
 
     def __setattr__(self, name, value):
+        if not name.startswith("_") and self.__dict__.get("_frozen"):
+            raise AttributeError(f"cannot set {name!r}: this {type(self).__name__} is shared (lpmoe hands one "
+                                 f"object per configuration to every GEMM operand); change a copy instead: "
+                                 f"q.copy({name}=...)")
         object.__setattr__(self, name, value)
         if not name.startswith("_") and "_spec" in self.__dict__:  # changed after construction: rewrite
             from lpmoe.library.specs import describe
             self.__dict__["_spec"] = describe(self)
+
+    def _freeze(self):
+        """Refuse later field assignments (objects shared through a cache)."""
+        self.__dict__["_frozen"] = True
+        return self
 
     def _fields(self) -> dict:
         raise NotImplementedError

@@ -31,7 +31,7 @@ from lpmoe._async_inputs import ready
 from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, capacity_sizes, member_sizes, output_buffer
 from lpmoe.grouped_offsets import splits_to_offsets
 from lpmoe.library.routing import tracing
-from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
+from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer, shared_copy
 from lpmoe.reference.numerics import check_float_matrix
 
 __all__ = ["GroupedTensor", "ShapeKind", "sharing_offsets", "shares_offsets"]
@@ -453,7 +453,7 @@ class GroupedTensor:
                  "columnwise_amax": self.columnwise_amax} if columnwise else
                 {"rowwise_data": self.rowwise_data, "scale_inv": self.scale_inv})
         return GroupedTensor(num_tensors=self.num_tensors, logical_shape=self.logical_shape, dtype=self.dtype,
-                             quantizer=self.quantizer.copy(rowwise=not columnwise, columnwise=columnwise),
+                             quantizer=shared_copy(self.quantizer, rowwise=not columnwise, columnwise=columnwise),
                              amax=self.amax, first_dims=self.first_dims, last_dims=self.last_dims,
                              tensor_offsets=self.tensor_offsets, padded_row_offsets=self.padded_row_offsets,
                              with_gemm_swizzled_scales=self.with_gemm_swizzled_scales, _trusted_offsets=True,

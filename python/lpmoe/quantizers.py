@@ -8,6 +8,7 @@ layouts are built from them in ``lpmoe.grouped_layout``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Tuple, Union
 
 import torch
@@ -210,3 +211,19 @@ class NVFP4Quantizer(Quantizer):
         if columnwise:
             return (_rup(k, 128), _rup(m // 16, 4))
         return (_rup(m, 128), _rup(k // 16, 4))
+
+
+def shared_copy(quantizer: Quantizer, **changes) -> Quantizer:
+    """``quantizer.copy(**changes)`` as one shared, frozen object per distinct
+    result.  Building a quantizer writes its JSON description
+    (lpmoe._value_fields), ~10 us of host time; the layers ask for the same
+    few one-direction quantizers at every step (an FP8 MLP step made 13), so
+    they come from here instead.  Frozen: assigning a field raises."""
+    from lpmoe.library.specs import encode
+    return _shared_copy(encode(quantizer), tuple(sorted(changes.items())))
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_copy(spec: str, changes: tuple) -> Quantizer:
+    from lpmoe.library.specs import decode
+    return decode(spec).copy(**dict(changes))._freeze()

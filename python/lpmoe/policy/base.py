@@ -14,6 +14,7 @@ the same objects what its activation kernel should write.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -23,7 +24,22 @@ from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.quantize import group_dequantize
 from lpmoe.quantizers import Quantizer
 
-__all__ = ["Needs", "Tokens", "Forward", "Grad", "LinearPolicy", "grouped_rows", "dequantized_rows"]
+__all__ = ["Needs", "Tokens", "Forward", "Grad", "LinearPolicy", "grouped_rows", "dequantized_rows",
+           "recipe_quantizer"]
+
+
+def recipe_quantizer(recipe, role: str, rowwise: bool, columnwise: bool) -> Quantizer:
+    """``recipe.quantizer(role, ...)`` as one shared, frozen object per recipe
+    configuration and arguments (lpmoe.quantizers.shared_copy says why): the
+    policies ask for the same few at every step."""
+    from lpmoe.library.specs import encode
+    return _recipe_quantizer(encode(recipe), role, rowwise, columnwise)
+
+
+@functools.lru_cache(maxsize=1024)
+def _recipe_quantizer(spec: str, role: str, rowwise: bool, columnwise: bool) -> Quantizer:
+    from lpmoe.library.specs import decode
+    return decode(spec).quantizer(role, rowwise=rowwise, columnwise=columnwise)._freeze()
 
 
 @dataclass

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows
+from lpmoe.policy.base import (Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows,
+                               recipe_quantizer)
 from lpmoe.quantize import group_quantize
 
 __all__ = ["Emulated"]
@@ -29,8 +30,8 @@ class Emulated(LinearPolicy):
 
     def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
         g, n, k = weights.shape
-        x_hat = fake_quantize(x.hp, self.recipe.quantizer("input", rowwise=True, columnwise=False), splits.device, g)
-        w_hat = fake_quantize(weights.stacked(), self.recipe.quantizer("weight", rowwise=True, columnwise=False),
+        x_hat = fake_quantize(x.hp, recipe_quantizer(self.recipe, "input", True, False), splits.device, g)
+        w_hat = fake_quantize(weights.stacked(), recipe_quantizer(self.recipe, "weight", True, False),
                               None, g).view(g, n, k)
         hp = self.recipe.backward_override == "high_precision"
         saved_x, saved_w = (x.hp, weights.params) if hp else (x_hat, w_hat)
@@ -40,7 +41,7 @@ class Emulated(LinearPolicy):
     def grad(self, dy, splits, need: Needs) -> Grad:
         dy_q = dy
         if self.quantized_backward and (need.dgrad or need.wgrad):
-            dy_q = fake_quantize(dy, self.recipe.quantizer("grad", rowwise=True, columnwise=False), splits.device,
+            dy_q = fake_quantize(dy, recipe_quantizer(self.recipe, "grad", True, False), splits.device,
                                  splits.num)
         t = grouped_rows(dy_q, splits.device)
         return Grad(dgrad=t if need.dgrad else None, wgrad=t if need.wgrad else None, hp=dy)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows
+from lpmoe.policy.base import (Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows,
+                               recipe_quantizer)
 from lpmoe.quantize import group_quantize, group_quantize_dbias
 from lpmoe.quantizers import Float8BlockQuantizer
 from lpmoe.recipe import Float8BlockScaling
@@ -19,7 +20,7 @@ class _Fp8Forward(LinearPolicy):
         self.recipe = recipe
 
     def quantizer(self, role: str, rowwise: bool, columnwise: bool) -> Float8BlockQuantizer:
-        return self.recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)
+        return recipe_quantizer(self.recipe, role, rowwise, columnwise)
 
     def _quantized_x(self, x: Tokens, splits, columnwise: bool):
         if x.quantized is not None:
