@@ -2,6 +2,7 @@
 back-to-back runs beside the GPU's clock and power.
 
     PYTHONPATH=python:benchmarks python3 tools/probe_gemm_modes.py [--calls 300 --rounds 2 --out DIR]
+    PYTHONPATH=python:benchmarks python3 tools/probe_gemm_modes.py --mlp [--calls 60]
 
 For each configuration (lpmoe's kernel at pinned widths/clusters, DeepGEMM
 when .peers/DeepGEMM is present) the anchor fprop (8 x 4096 tokens, K 7168,
@@ -72,6 +73,27 @@ def run_block(fn, calls):
     return [ev[i].elapsed_time(ev[i + 1]) for i in range(calls)], t0, t1
 
 
+def mlp_candidates():
+    """name -> step of a GroupedMLP fwd+bwd (bench_grouped_mlp.py's setup)."""
+    from lpmoe.recipe import Float8BlockScaling
+    g, tokens, hidden, ffn = 8, 65536, 7168, 2048
+    m = torch.full((g,), tokens // g, device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    p = torch.rand(tokens, device="cuda", requires_grad=True)
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    mlp = lpmoe.GroupedMLP(g, hidden, ffn, params_dtype=torch.bfloat16, device="cuda")
+    fns = {}
+    for name, recipe in (("mlp fp8", Float8BlockScaling()), ("mlp bf16", None)):
+        def step(recipe=recipe):
+            x.grad = p.grad = None
+            mlp.zero_grad(set_to_none=True)
+            with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
+                mlp(x, m, probs=p).backward(dy)
+        fns[name] = step
+    # fwd + bwd FLOPs: 3 GEMMs per layer, 2 * tokens * N * K each
+    return fns, 3 * 2.0 * tokens * (hidden * 2 * ffn + ffn * hidden)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=300)
@@ -79,7 +101,11 @@ def main():
     p.add_argument("--configs", default="192,2 160,2 192,1")
     p.add_argument("--shape", default="8,4096,7168,4096", help="groups,tokens per group,K,N")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--mlp", action="store_true", help="time GroupedMLP steps (FP8, BF16) instead of one GEMM")
     a = p.parse_args()
+    if a.mlp:
+        fns, flops = mlp_candidates()
+        return report(fns, flops, a, "GroupedMLP 8 x 8192 tokens, H 7168, F 2048, fwd+bwd steps")
     g, m, k, n = (int(v) for v in a.shape.split(","))
     splits = [m] * g
     first = torch.tensor(splits, dtype=torch.int64, device="cuda")
@@ -101,7 +127,14 @@ def main():
     else:
         print("DeepGEMM skipped:", dgp.reason())
     fns["cublas"] = lambda: lpmoe.grouped_gemm(xq, wq, kind="fprop", backend="cublas", m_splits=splits)
+    offs = torch.cumsum(first, 0).to(torch.int32)
+    w3 = w.view(g, n, k)
+    fns["torch bf16"] = lambda: torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)  # is BF16 capped too?
     flops = 2.0 * g * m * n * k
+    report(fns, flops, a, f"shape g{g} x {m}, K {k}, N {n}")
+
+
+def report(fns, flops, a, label):
     for fn in fns.values():  # JIT, plans, autotuning out of the way
         fn()
     torch.cuda.synchronize()
@@ -119,7 +152,7 @@ def main():
     proc.wait()
     fh.close()
     smi = _smi_read(smi_path)
-    print(f"shape g{g} x {m}, K {k}, N {n}; {a.calls} calls per block; TFLOP/s per tenth of the block "
+    print(f"{label}; {a.calls} calls per block; TFLOP/s per tenth of the block "
           f"(median), then SM MHz and W over the same tenths")
     raw = open(os.path.join(a.out, "per_call_ms.txt"), "w")
     for r, name, ms, t0, t1 in blocks:
