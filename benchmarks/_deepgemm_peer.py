@@ -15,7 +15,9 @@ are 2 * sum(m_t) * N * K: the padding rows are never counted.
 
 fprop: A = x [tokens, K], B = w [G, N, K].  dgrad: A = dy [tokens, N],
 B = w^T [G, K, N] (the weights' transposed copy, quantized outside the timing
-as lpmoe's columnwise copy is).
+as lpmoe's columnwise copy is).  wgrad: DeepGEMM's k-grouped weight gradient
+(:class:`KGroupedWgrad`, fp32 out; a loop of one launch per member at the
+pinned commit).
 
     python3 benchmarks/_deepgemm_peer.py           # correctness check on the GPU
     python3 benchmarks/_deepgemm_peer.py --time    # + anchor-shape fprop/dgrad TFLOP/s
@@ -155,6 +157,65 @@ class GroupedNT:
         return ref
 
 
+class KGroupedWgrad:
+    """DeepGEMM's k-grouped weight gradient, fp32 out, accumulated into
+    ``out``: dW[t] (N x K) += dy_t^T x_t.  At the pinned commit this is a host
+    loop of one wgrad launch per member (``k_grouped_wgrad_gemm_fp8_fp8_fp32_nt``),
+    so it needs host member sizes (multiples of 128 here).  LHS = dy_t^T [N, m_t],
+    RHS = x_t^T [K, m_t], both scaled per 128 tokens (the 128x1 token blocks of
+    lpmoe's columnwise copies), scales [m_t / 128, N] per member, stacked."""
+
+    def __init__(self, splits: Sequence[int], dy: torch.Tensor, x: torch.Tensor):
+        dg = load()
+        if dg is None:
+            raise RuntimeError(f"DeepGEMM unavailable: {reason()}")
+        self.splits = [int(s) for s in splits]
+        if any(s % 128 for s in self.splits):
+            raise ValueError(f"k-grouped wgrad peer: member sizes must be multiples of 128, got {self.splits}")
+        self.n, self.k = dy.shape[1], x.shape[1]
+        parts: Dict[str, List[torch.Tensor]] = {"a": [], "sa": [], "b": [], "sb": []}
+        r = 0
+        for m in self.splits:
+            if m:
+                a, sa = quant_1x128(dy[r:r + m].t().contiguous())
+                b, sb = quant_1x128(x[r:r + m].t().contiguous())
+                parts["a"].append(a.view(-1))
+                parts["b"].append(b.view(-1))
+                parts["sa"].append(sa.t())
+                parts["sb"].append(sb.t())
+            r += m
+        self.lhs = (torch.cat(parts["a"]), torch.cat(parts["sa"]).contiguous())
+        self.rhs = (torch.cat(parts["b"]), torch.cat(parts["sb"]).contiguous())
+        self.out = torch.zeros(len(self.splits), self.n, self.k, device=dy.device, dtype=torch.float32)
+        self.flops = 2.0 * sum(self.splits) * self.n * self.k
+        self._dg = dg
+
+    def __call__(self) -> None:
+        self._dg.k_grouped_wgrad_gemm_fp8_fp8_fp32_nt(self.lhs, self.rhs, self.out, self.splits)
+
+    def reference(self) -> torch.Tensor:
+        """fp32 products of the dequantized operands, [G, N, K]."""
+        ref = torch.zeros_like(self.out)
+        off = so = 0
+        for t, m in enumerate(self.splits):
+            if m == 0:
+                continue
+            nb = m // 128
+            a = self.lhs[0][off * self.n:(off + m) * self.n].view(self.n, m).float()
+            b = self.rhs[0][off * self.k:(off + m) * self.k].view(self.k, m).float()
+            a = a * self.lhs[1][so:so + nb].t().repeat_interleave(128, 1)
+            b = b * self.rhs[1][so:so + nb].t().repeat_interleave(128, 1)
+            ref[t] = a @ b.t()
+            off, so = off + m, so + nb
+        return ref
+
+
+def wgrad(splits, dy: torch.Tensor, x: torch.Tensor):
+    """(callable adding dy_t^T x_t into a fp32 [G, N, K] buffer, useful FLOPs)."""
+    op = KGroupedWgrad(splits, dy, x)
+    return op, op.flops
+
+
 def _graphed(op: "GroupedNT") -> Callable[[], None]:
     """A replay of one captured launch (the JIT build and the first run happen eagerly)."""
     op()
@@ -242,6 +303,13 @@ def check(splits=CHECK_CASE[0], k: int = CHECK_CASE[1], n: int = CHECK_CASE[2], 
         torch.cuda.synchronize()
         got, ref = op.result().float(), op.reference()
         errs[kind] = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    wsplits = [s // 128 * 128 + 128 if s else 0 for s in splits]  # multiples of 128, one member empty
+    op = KGroupedWgrad(wsplits, torch.randn(sum(wsplits), n, device=DEVICE, generator=gen).bfloat16(),
+                       torch.randn(sum(wsplits), k, device=DEVICE, generator=gen).bfloat16())
+    op()  # out starts at zero: one call is the product
+    torch.cuda.synchronize()
+    ref = op.reference()
+    errs["wgrad"] = float((op.out - ref).norm() / ref.norm().clamp_min(1e-30))
     return errs
 
 
