@@ -229,3 +229,62 @@ def test_mlp_call_shares_offsets(monkeypatch):
     calls.clear()
     y.sum().backward()
     assert sorted(calls) == sorted([(20, 32), (20, 16)])
+
+
+def _count_inits(monkeypatch):
+    calls = []
+    real = GroupedTensor.__init__
+
+    def counting(self, **kw):
+        calls.append(kw.get("quantizer"))
+        real(self, **kw)
+    monkeypatch.setattr(GroupedTensor, "__init__", counting)
+    return calls
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_direction_view_is_a_trusted_copy_of_one_side(monkeypatch, columnwise):
+    """A direction view keeps one side's buffers and every piece of metadata
+    of its (validated) source, built without the checking constructor."""
+    import lpmoe
+    x = torch.randn(300, 256, dtype=torch.bfloat16)
+    g = lpmoe.group_quantize(x, Float8BlockQuantizer(block_dim=1), num_tensors=3,
+                             first_dims=torch.tensor([100, 0, 200]))
+    calls = _count_inits(monkeypatch)
+    v = g.direction_view(columnwise)
+    assert calls == []
+    kept = ("columnwise_data", "columnwise_scale_inv") if columnwise else ("rowwise_data", "scale_inv")
+    dropped = ("rowwise_data", "scale_inv") if columnwise else ("columnwise_data", "columnwise_scale_inv")
+    for f in kept + ("first_dims", "tensor_offsets", "padded_row_offsets", "amax"):
+        assert getattr(v, f) is getattr(g, f), f
+    assert all(getattr(v, f) is None for f in dropped)
+    assert (v.num_tensors, v.logical_shape, v.dtype) == (g.num_tensors, g.logical_shape, g.dtype)
+    assert v.quantizer == g.quantizer.copy(rowwise=not columnwise, columnwise=columnwise)
+    assert v.offsets_status is g.offsets_status
+    for mv, mg in zip(v.split(), g.split()):  # the members' views of the kept side are the same
+        for k in kept:  # (an empty member has no views)
+            a, b = mv[k], mg[k]
+            assert (a is None and b is None) or torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                                            b.view(torch.uint8) if b.element_size() == 1 else b)
+        assert all(mv.get(k) is None for k in dropped)
+
+
+@requires_cuda
+def test_fp8_quantize_output_is_built_trusted_gpu(monkeypatch):
+    """group_quantize on the GPU builds its input group (checked) and its
+    output through the trusted path (buffers sized from the layout, the
+    input's metadata): one checking construction per call."""
+    import lpmoe
+    x = torch.randn(300, 256, dtype=torch.bfloat16, device="cuda")
+    first = torch.tensor([100, 0, 200], device="cuda")
+    ref = lpmoe.group_quantize(x, Float8BlockQuantizer(block_dim=1), num_tensors=3, first_dims=first)
+    calls = _count_inits(monkeypatch)
+    out = lpmoe.group_quantize(x, Float8BlockQuantizer(block_dim=1), num_tensors=3, first_dims=first)
+    assert calls == [None]  # the high-precision input group only
+    for f in ("rowwise_data", "scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        assert getattr(out, f).shape == getattr(ref, f).shape and getattr(out, f).dtype == getattr(ref, f).dtype
+    assert out.tensor_offsets is not None and out.padded_row_offsets is not None
+    for f in ("rowwise_data", "columnwise_data"):  # the same bits through the dequantize of either side
+        a = lpmoe.group_dequantize(out.direction_view(f == "columnwise_data"))
+        b = lpmoe.group_dequantize(ref.direction_view(f == "columnwise_data"))
+        assert torch.equal(a.rowwise_data[:300 * 256], b.rowwise_data[:300 * 256])

@@ -80,7 +80,7 @@ def _host_line(name, step, repeats):
     print(f"{name:10s} host {v[len(v) // 2]:8.0f} us per step [{v[0]:.0f}-{v[-1]:.0f}]", flush=True)
 
 
-def host(case: Case, fp8: bool, repeats: int = 5, profile: bool = True):
+def host(case: Case, fp8: bool, repeats: int = 5, profile: bool = True, eager_only: bool = False):
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     recipe = Float8BlockScaling() if fp8 else None
@@ -89,6 +89,8 @@ def host(case: Case, fp8: bool, repeats: int = 5, profile: bool = True):
         step()
     torch.cuda.synchronize()
     _host_line("eager", step, repeats)
+    if eager_only:
+        return
     for name, threshold in (("one op", 1 << 62), ("three ops", 0)):
         mlp_ops.SPLIT_BACKWARD_BYTES = threshold
         torch._dynamo.reset()
@@ -123,12 +125,13 @@ def main():
     ap.add_argument("--fp8", action="store_true", help="host: FP8 block scaling (default bf16)")
     ap.add_argument("--repeats", type=int, default=5, help="host: samples of 8 steps per form (median, range)")
     ap.add_argument("--no-cprofile", action="store_true", help="host: skip the cProfile of each compiled form")
+    ap.add_argument("--eager-only", action="store_true", help="host: eager steps only (no compile)")
     a = ap.parse_args()
     case = Case(a)
     if a.what == "memory":
         memory(case)
     else:
-        host(case, a.fp8, a.repeats, not a.no_cprofile)
+        host(case, a.fp8, a.repeats, not a.no_cprofile, a.eager_only)
 
 
 if __name__ == "__main__":

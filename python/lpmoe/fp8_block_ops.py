@@ -49,18 +49,22 @@ def check_output(output: GroupedTensor, q: Float8BlockQuantizer, g: GroupedTenso
 
 
 def allocate(q: Float8BlockQuantizer, g: GroupedTensor) -> GroupedTensor:
-    """Uninitialised output buffers for the members of ``g``, carrying g's metadata."""
+    """Uninitialised output buffers for the members of ``g``, carrying g's
+    metadata.  Built without the constructor's checks: the buffers are
+    sized here from the layout (capacity_sizes) and the metadata is g's,
+    which was validated when g was made."""
     rows, k = g.logical_shape
     sizes = capacity_sizes(q, g.num_tensors, rows, k, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
     dev = g.device
     mk = lambda n, dt: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
-    return GroupedTensor(
-        num_tensors=g.num_tensors, logical_shape=g.logical_shape, dtype=g.dtype, quantizer=q,
-        rowwise_data=mk(sizes["rowwise_data"], q.fp8_dtype) if q.rowwise else None,
-        scale_inv=mk(sizes["scale_inv"], torch.float32) if q.rowwise else None,
-        columnwise_data=mk(sizes["columnwise_data"], q.fp8_dtype) if q.columnwise else None,
-        columnwise_scale_inv=mk(sizes["columnwise_scale_inv"], torch.float32) if q.columnwise else None,
-        first_dims=g.first_dims, tensor_offsets=g.tensor_offsets, padded_row_offsets=g.padded_row_offsets, _trusted_offsets=True)
+    return GroupedTensor._rebuild(
+        (g.num_tensors, g.logical_shape, g.dtype, q, False),
+        {"rowwise_data": mk(sizes["rowwise_data"], q.fp8_dtype) if q.rowwise else None,
+         "scale_inv": mk(sizes["scale_inv"], torch.float32) if q.rowwise else None,
+         "columnwise_data": mk(sizes["columnwise_data"], q.fp8_dtype) if q.columnwise else None,
+         "columnwise_scale_inv": mk(sizes["columnwise_scale_inv"], torch.float32) if q.columnwise else None,
+         "first_dims": g.first_dims, "tensor_offsets": g.tensor_offsets, "padded_row_offsets": g.padded_row_offsets,
+         "offsets_status": g.offsets_status})
 
 
 def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None, output=None,

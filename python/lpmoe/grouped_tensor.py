@@ -452,12 +452,16 @@ class GroupedTensor:
         bufs = ({"columnwise_data": self.columnwise_data, "columnwise_scale_inv": self.columnwise_scale_inv,
                  "columnwise_amax": self.columnwise_amax} if columnwise else
                 {"rowwise_data": self.rowwise_data, "scale_inv": self.scale_inv})
-        return GroupedTensor(num_tensors=self.num_tensors, logical_shape=self.logical_shape, dtype=self.dtype,
-                             quantizer=shared_copy(self.quantizer, rowwise=not columnwise, columnwise=columnwise),
-                             amax=self.amax, first_dims=self.first_dims, last_dims=self.last_dims,
-                             tensor_offsets=self.tensor_offsets, padded_row_offsets=self.padded_row_offsets,
-                             with_gemm_swizzled_scales=self.with_gemm_swizzled_scales, _trusted_offsets=True,
-                             **bufs)
+        # this group's buffers and metadata were validated when it was made:
+        # the view is rebuilt without the constructor's checks (~30 us of host
+        # time each; a layer step takes several views)
+        return GroupedTensor._rebuild(
+            (self.num_tensors, self.logical_shape, self.dtype,
+             shared_copy(self.quantizer, rowwise=not columnwise, columnwise=columnwise),
+             self.with_gemm_swizzled_scales),
+            dict(bufs, amax=self.amax, first_dims=self.first_dims, last_dims=self.last_dims,
+                 tensor_offsets=self.tensor_offsets, padded_row_offsets=self.padded_row_offsets,
+                 offsets_status=self.offsets_status))
 
     # ------------------------------------------------------------- flatten
     def flatten(self) -> Tuple[List[torch.Tensor], tuple]:
@@ -479,8 +483,10 @@ class GroupedTensor:
     @classmethod
     def _rebuild(cls, static: tuple, fields: dict) -> "GroupedTensor":
         """Library-internal inverse of :meth:`flatten` for a group lpmoe made
-        and saved itself (a layer's backward).  Its buffers and offsets were
-        validated when it was made, so nothing is checked or recomputed here:
+        and saved itself (a layer's backward), and the trusted constructor of
+        groups lpmoe derives from validated ones (direction views, quantize
+        outputs).  Its buffers and offsets were validated when it was made,
+        so nothing is checked or recomputed here:
         a backward rebuilds several groups per call, and at launch-bound
         sizes the checks cost more host time than the kernels they feed.
         ``static``: (num_tensors, logical_shape, dtype, quantizer,
