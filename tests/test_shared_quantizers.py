@@ -85,3 +85,23 @@ def test_layer_steps_build_no_quantizer_after_the_first(monkeypatch):
     calls = _describe_calls(monkeypatch)
     steps()
     assert calls == []
+
+
+def test_recipe_subclasses_still_work():
+    """The cache builds from the recipe object itself on a miss, so a user's
+    subclass of a recipe (not known to lpmoe's spec decoder) still runs."""
+    class MyFP8(Float8BlockScaling):
+        pass
+
+    q = recipe_quantizer(MyFP8(), "input", True, False)
+    assert q == Float8BlockScaling().quantizer("input", rowwise=True, columnwise=False)
+    assert q is recipe_quantizer(MyFP8(), "input", True, False)
+    assert q is not recipe_quantizer(Float8BlockScaling(), "input", True, False)  # keyed by class too
+    torch.manual_seed(0)
+    lin = lpmoe.GroupedLinear(2, 128, 64, bias=False, params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    with lpmoe.autocast(recipe=MyFP8()):
+        y = lin(x, [32, 32])
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        ref = lin(x, [32, 32])
+    assert torch.equal(y, ref)

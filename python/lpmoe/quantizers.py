@@ -8,7 +8,6 @@ layouts are built from them in ``lpmoe.grouped_layout``.
 """
 from __future__ import annotations
 
-import functools
 from typing import Tuple, Union
 
 import torch
@@ -220,10 +219,13 @@ def shared_copy(quantizer: Quantizer, **changes) -> Quantizer:
     few one-direction quantizers at every step (an FP8 MLP step made 13), so
     they come from here instead.  Frozen: assigning a field raises."""
     from lpmoe.library.specs import encode
-    return _shared_copy(encode(quantizer), tuple(sorted(changes.items())))
+    key = (type(quantizer), encode(quantizer), tuple(sorted(changes.items())))
+    q = _SHARED.get(key)
+    if q is None:
+        if len(_SHARED) >= 1024:  # bounded: configurations are few in practice
+            _SHARED.clear()
+        q = _SHARED[key] = quantizer.copy(**changes)._freeze()
+    return q
 
 
-@functools.lru_cache(maxsize=1024)
-def _shared_copy(spec: str, changes: tuple) -> Quantizer:
-    from lpmoe.library.specs import decode
-    return decode(spec).copy(**dict(changes))._freeze()
+_SHARED: dict = {}

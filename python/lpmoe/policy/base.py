@@ -14,7 +14,6 @@ the same objects what its activation kernel should write.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -28,18 +27,22 @@ __all__ = ["Needs", "Tokens", "Forward", "Grad", "LinearPolicy", "grouped_rows",
            "recipe_quantizer"]
 
 
+_RECIPE_QUANTIZERS: dict = {}
+
+
 def recipe_quantizer(recipe, role: str, rowwise: bool, columnwise: bool) -> Quantizer:
     """``recipe.quantizer(role, ...)`` as one shared, frozen object per recipe
-    configuration and arguments (lpmoe.quantizers.shared_copy says why): the
-    policies ask for the same few at every step."""
+    class, configuration and arguments (lpmoe.quantizers.shared_copy says
+    why): the policies ask for the same few at every step.  Made by the
+    recipe itself on a miss, so subclasses of the recipes work as before."""
     from lpmoe.library.specs import encode
-    return _recipe_quantizer(encode(recipe), role, rowwise, columnwise)
-
-
-@functools.lru_cache(maxsize=1024)
-def _recipe_quantizer(spec: str, role: str, rowwise: bool, columnwise: bool) -> Quantizer:
-    from lpmoe.library.specs import decode
-    return decode(spec).quantizer(role, rowwise=rowwise, columnwise=columnwise)._freeze()
+    key = (type(recipe), encode(recipe), role, rowwise, columnwise)
+    q = _RECIPE_QUANTIZERS.get(key)
+    if q is None:
+        if len(_RECIPE_QUANTIZERS) >= 1024:  # bounded: configurations are few in practice
+            _RECIPE_QUANTIZERS.clear()
+        q = _RECIPE_QUANTIZERS[key] = recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)._freeze()
+    return q
 
 
 @dataclass
