@@ -80,6 +80,23 @@ def _host_line(name, step, repeats):
     print(f"{name:10s} host {v[len(v) // 2]:8.0f} us per step [{v[0]:.0f}-{v[-1]:.0f}]", flush=True)
 
 
+def _lpmoe_own_time(step, steps: int = 20):
+    """cProfile of eager steps (backward in the calling thread, where
+    cProfile sees it): lpmoe's functions by own time per step."""
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+    rows = [(v[2] / steps * 1e6, v[0] / steps, f"{k[0].split('python/')[-1]}:{k[2]}")
+            for k, v in pstats.Stats(prof).stats.items() if "lpmoe" in k[0] or k[0] == "~"]
+    for t, n, name in sorted(rows, reverse=True)[:30]:
+        print(f"{t:7.1f} us/step own {n:6.1f} calls  {name}")
+
+
 def host(case: Case, fp8: bool, repeats: int = 5, profile: bool = True, eager_only: bool = False):
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
@@ -90,6 +107,8 @@ def host(case: Case, fp8: bool, repeats: int = 5, profile: bool = True, eager_on
     torch.cuda.synchronize()
     _host_line("eager", step, repeats)
     if eager_only:
+        if profile:
+            _lpmoe_own_time(step)
         return
     for name, threshold in (("one op", 1 << 62), ("three ops", 0)):
         mlp_ops.SPLIT_BACKWARD_BYTES = threshold
