@@ -5,6 +5,11 @@ scaling, MXFP8, NVFP4), which directions (rowwise, columnwise) and knows the
 exact data and scale shapes of ``docs/formats-notes.md`` (which follows the
 project spec, formats.md).  Shapes are for one 2-D tensor (M, K); grouped
 layouts are built from them in ``lpmoe.grouped_layout``.
+
+The quantizers lpmoe's layers attach to the groups they make are shared
+(one object per configuration, :func:`shared_copy`) and frozen: assigning a
+field raises; change a copy instead (``q.copy(rowwise=False)``).  Quantizers
+you build, or get from a recipe's ``quantizer()``, are ordinary objects.
 """
 from __future__ import annotations
 
