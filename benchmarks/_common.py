@@ -63,6 +63,13 @@ def sustained_ms(fn: Callable[[], object], heat_s: float = 0.5, calls: int = 40)
     return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(calls))
 
 
+def add_sustained(p: argparse.ArgumentParser) -> None:
+    """The ``--sustained SECONDS`` option of the GEMM benchmarks (:func:`sustained_ms`)."""
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="time each candidate after SECONDS of its own calls (power-capped clock) "
+                        "instead of in short bursts (boost clock)")
+
+
 def graph_median_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 15, reps: int = 10) -> float:
     """Median over ``iters`` replays of a CUDA graph of ``reps`` fn() calls,
     in ms per call: the device time of fn without the host gaps between

@@ -22,7 +22,7 @@ from lpmoe import Float8BlockQuantizer
 from lpmoe.gemm import fp8_kernel_config
 
 import _deepgemm_peer as dgp
-from _common import median_ms, parser, splits_for, sustained_ms, write_summary
+from _common import add_sustained, median_ms, parser, splits_for, sustained_ms, write_summary
 
 SHAPES = {"dsv3-up": (7168, 4096), "dsv3-down": (2048, 7168), "mixtral-up": (4096, 14336),
           "qwen3-up": (2048, 1536), "qwen3-down": (768, 2048)}
@@ -73,12 +73,6 @@ def measure(fns, rounds, sustained=0.0):
             got[name].append(sustained_ms(fn, sustained) if sustained > 0
                              else median_ms(fn, warmup=2, iters=5, reps=4))
     return got
-
-
-def add_sustained(p):
-    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
-                   help="time each candidate after SECONDS of its own calls (power-capped clock) "
-                        "instead of in short bursts (boost clock)")
 
 
 def main():

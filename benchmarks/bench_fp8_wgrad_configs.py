@@ -20,8 +20,8 @@ import lpmoe
 from lpmoe import Float8BlockQuantizer
 from lpmoe.gemm import fp8_wgrad_kernel_config
 
-from _common import parser, splits_for, write_summary
-from bench_fp8_kernel_configs import CASES, SHAPES, add_sustained, measure
+from _common import add_sustained, parser, splits_for, write_summary
+from bench_fp8_kernel_configs import CASES, SHAPES, measure
 
 CONFIGS = {f"n{w}c{c}": (w, c) for w in (128, 192) for c in (1, 2)}
 CONFIGS.update({"cutlass": (-1, 0), "auto": (0, 0)})

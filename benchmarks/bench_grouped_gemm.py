@@ -27,7 +27,7 @@ import lpmoe
 from lpmoe import Float8BlockQuantizer, GroupedTensor
 
 import _deepgemm_peer as dgp
-from _common import graph_median_ms, median_ms, parser, splits_for, sustained_ms, write_summary
+from _common import add_sustained, graph_median_ms, median_ms, parser, splits_for, sustained_ms, write_summary
 
 DG = "DeepGEMM"
 DG_GRAPH = False  # --deepgemm-graph: time DeepGEMM as a CUDA graph replay
@@ -250,9 +250,7 @@ def main():
                         "timing includes each call's host cost where it exceeds the kernel)")
     p.add_argument("--deepgemm-graph", action="store_true",
                    help="time DeepGEMM as a CUDA graph replay (no per-call Python launch cost)")
-    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
-                   help="time every column after SECONDS of its own calls, at the clock the power cap allows "
-                        "for it (the default bursts mostly run at the boost clock; _common.sustained_ms)")
+    add_sustained(p)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped_gemm: no CUDA device, nothing to time")

@@ -40,7 +40,7 @@ class ValueFields:
             self.__dict__["_spec"] = describe(self)
 
     def _freeze(self):
-        """Refuse later field assignments (objects shared through a cache)."""
+        """Refuse later field assignments (objects shared through :func:`shared`)."""
         self.__dict__["_frozen"] = True
         return self
 
@@ -56,3 +56,25 @@ class ValueFields:
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self._fields().items())
         return f"{type(self).__name__}({args})"
+
+
+_SHARED: dict = {}
+
+
+def shared(obj: ValueFields, extra: tuple, make):
+    """One frozen object per (class and configuration of ``obj``, ``extra``):
+    ``make()`` builds it on a miss.  For configuration objects the layers
+    derive at every step (a quantizer from a recipe, a one-direction copy of
+    a quantizer): building one writes its JSON description (~10-30 us of
+    host time), a lookup reads the description the source already holds.
+    ``make`` runs on the object itself, so subclasses unknown to the spec
+    decoder work.  Bounded: configurations are few in practice."""
+    from lpmoe.library.specs import encode
+    key = (type(obj), encode(obj)) + extra
+    got = _SHARED.get(key)
+    if got is None:
+        if len(_SHARED) >= 1024:
+            _SHARED.clear()
+        got = _SHARED[key] = make()._freeze()
+    return got
+

@@ -18,7 +18,7 @@ from typing import Tuple, Union
 import torch
 
 from lpmoe import _sizes
-from lpmoe._value_fields import ValueFields
+from lpmoe._value_fields import ValueFields, shared
 
 __all__ = [
     "Quantizer",
@@ -219,18 +219,6 @@ class NVFP4Quantizer(Quantizer):
 
 def shared_copy(quantizer: Quantizer, **changes) -> Quantizer:
     """``quantizer.copy(**changes)`` as one shared, frozen object per distinct
-    result.  Building a quantizer writes its JSON description
-    (lpmoe._value_fields), ~10 us of host time; the layers ask for the same
-    few one-direction quantizers at every step (an FP8 MLP step made 13), so
-    they come from here instead.  Frozen: assigning a field raises."""
-    from lpmoe.library.specs import encode
-    key = (type(quantizer), encode(quantizer), tuple(sorted(changes.items())))
-    q = _SHARED.get(key)
-    if q is None:
-        if len(_SHARED) >= 1024:  # bounded: configurations are few in practice
-            _SHARED.clear()
-        q = _SHARED[key] = quantizer.copy(**changes)._freeze()
-    return q
-
-
-_SHARED: dict = {}
+    result (lpmoe._value_fields.shared): the layers ask for the same few
+    one-direction quantizers at every step (an FP8 MLP step built 13)."""
+    return shared(quantizer, tuple(sorted(changes.items())), lambda: quantizer.copy(**changes))

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
+from lpmoe._value_fields import shared
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.quantize import group_dequantize
 from lpmoe.quantizers import Quantizer
@@ -27,22 +28,12 @@ __all__ = ["Needs", "Tokens", "Forward", "Grad", "LinearPolicy", "grouped_rows",
            "recipe_quantizer"]
 
 
-_RECIPE_QUANTIZERS: dict = {}
-
-
 def recipe_quantizer(recipe, role: str, rowwise: bool, columnwise: bool) -> Quantizer:
     """``recipe.quantizer(role, ...)`` as one shared, frozen object per recipe
-    class, configuration and arguments (lpmoe.quantizers.shared_copy says
-    why): the policies ask for the same few at every step.  Made by the
-    recipe itself on a miss, so subclasses of the recipes work as before."""
-    from lpmoe.library.specs import encode
-    key = (type(recipe), encode(recipe), role, rowwise, columnwise)
-    q = _RECIPE_QUANTIZERS.get(key)
-    if q is None:
-        if len(_RECIPE_QUANTIZERS) >= 1024:  # bounded: configurations are few in practice
-            _RECIPE_QUANTIZERS.clear()
-        q = _RECIPE_QUANTIZERS[key] = recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise)._freeze()
-    return q
+    class, configuration and arguments (lpmoe._value_fields.shared): the
+    policies ask for the same few at every step."""
+    return shared(recipe, (role, rowwise, columnwise),
+                  lambda: recipe.quantizer(role, rowwise=rowwise, columnwise=columnwise))
 
 
 @dataclass
