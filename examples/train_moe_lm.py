@@ -4,9 +4,10 @@ FP8 block scaling, and compare their loss curves.
 The text is the source code of Python's own standard library (every machine
 with Python has it; nothing is downloaded): byte-level tokens, the last 5% of
 the files (sorted by path) held out for validation.  The model: pre-norm
-transformer blocks (causal attention, then a mixture-of-experts MLP); the
-router (softmax, top-k, renormalised probabilities, Switch load-balancing
-loss) and the token permutation are plain PyTorch; the experts are one
+transformer blocks (causal attention with rotary positions, then a
+mixture-of-experts MLP); the router (softmax, top-k, renormalised
+probabilities, Switch load-balancing loss) and the token permutation are
+plain PyTorch; the experts are one
 lpmoe.GroupedMLP per block (SwiGLU, router probabilities fused into the
 activation), fed with device-side expert counts (the graph-safe path).
 
@@ -20,6 +21,9 @@ loss curves.
 
     python examples/train_moe_lm.py --seeds 0,1     # GPU: 2400 steps each, < 1 pass
     python examples/train_moe_lm.py --steps 20 ...  # a short smoke run (CPU too)
+    # seeds as processes side by side on one GPU, then pooled:
+    for s in 0 1 2 3; do python examples/train_moe_lm.py --seeds $s --plot '' --json s$s.json & done; wait
+    python examples/train_moe_lm.py --pool s*.json
 """
 from __future__ import annotations
 
@@ -129,10 +133,24 @@ class MoE(nn.Module):
         return y.view(shape), aux
 
 
+def rotary(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """Rotary position embedding of (batch, heads, seq, head_dim) queries and
+    keys (rotate-half form, base 10000), in fp32."""
+    half = q.shape[-1] // 2
+    inv_freq = 10000.0 ** (-torch.arange(half, device=q.device, dtype=torch.float32) / half)
+    angle = torch.arange(q.shape[-2], device=q.device, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angle.cos(), angle.sin()
+
+    def rotate(x):
+        x1, x2 = x.float().split(half, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+    return rotate(q), rotate(k)
+
+
 class Block(nn.Module):
-    def __init__(self, d, heads, ffn, experts, top_k, device):
+    def __init__(self, d, heads, ffn, experts, top_k, device, rope=False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.rope = heads, rope
         self.norm1 = nn.RMSNorm(d, device=device)
         self.qkv = nn.Linear(d, 3 * d, bias=False, device=device)
         self.proj = nn.Linear(d, d, bias=False, device=device)
@@ -141,8 +159,10 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2))
+        if self.rope:
+            q, k = rotary(q, k)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
         y, aux = self.moe(self.norm2(x))
         return x + y, aux
@@ -151,15 +171,25 @@ class Block(nn.Module):
 class MoELM(nn.Module):
     def __init__(self, args, device):
         super().__init__()
+        # Token embeddings start at std 0.02 (GPT-2's), not nn.Embedding's 1:
+        # beside std-1 tokens, learned positions (--pos learned) were 2 % of
+        # the residual stream and every run sat on a bigram plateau (loss
+        # ~2.4) for ~1000 steps; when it left decided the final loss more than
+        # the recipe did.  Rotary positions (the default) shorten the plateau
+        # further.
         self.embed = nn.Embedding(256, args.d_model, device=device)
-        self.pos = nn.Parameter(torch.randn(args.seq, args.d_model, device=device) * 0.02)
-        self.blocks = nn.ModuleList(Block(args.d_model, args.heads, args.ffn, args.experts, args.top_k, device)
-                                    for _ in range(args.layers))
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.pos = (nn.Parameter(torch.randn(args.seq, args.d_model, device=device) * 0.02)
+                    if args.pos == "learned" else None)
+        self.blocks = nn.ModuleList(Block(args.d_model, args.heads, args.ffn, args.experts, args.top_k, device,
+                                          rope=args.pos == "rope") for _ in range(args.layers))
         self.norm = nn.RMSNorm(args.d_model, device=device)
         self.head = nn.Linear(args.d_model, 256, bias=False, device=device)
 
     def forward(self, tokens):
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos[: tokens.shape[1]]
         aux = 0.0
         for blk in self.blocks:
             x, a = blk(x)
@@ -229,21 +259,48 @@ def train(args, label, recipe, seed, train_data, val_data, device) -> Dict[str, 
 
 def summarize(hists: Dict[str, Dict], seeds: List[int], recipes: List[str]) -> None:
     """Each recipe's final validation loss against BF16's, per seed, beside
-    BF16's own spread across seeds (what "within 1 %" is resolved against)."""
+    BF16's own spread across seeds (what "within 1 %" is resolved against);
+    with several seeds also the mean gap and its standard error."""
     key = (lambda name, seed: name) if len(seeds) == 1 else (lambda name, seed: f"{name} s{seed}")
     if "bf16" not in recipes:
         return
     for name in recipes:
         if name == "bf16":
             continue
-        pairs = [(hists[key("bf16", s)], hists[key(name, s)]) for s in seeds]
+        pairs = [(hists[key("bf16", s)], hists[key(name, s)]) for s in seeds
+                 if key("bf16", s) in hists and key(name, s) in hists]
         gaps = [f["val"][-1] / b["val"][-1] - 1 for b, f in pairs]
         speed = [f["tokens_per_s"] / b["tokens_per_s"] for b, f in pairs]
         print(f"{name} vs bf16 final val loss: " + ", ".join(f"{100 * g:+.2f} %" for g in gaps)
               + f"   tokens/s {name}/bf16: " + ", ".join(f"{v:.2f}x" for v in speed))
+        if len(gaps) > 1:
+            g = torch.tensor(gaps, dtype=torch.float64)
+            print(f"{name} vs bf16 over {len(gaps)} seeds: mean {100 * g.mean():+.2f} %, "
+                  f"standard error {100 * g.std() / math.sqrt(len(gaps)):.2f} %, "
+                  f"largest |gap| {100 * g.abs().max():.2f} %")
     if len(seeds) > 1:
-        b = [hists[key("bf16", s)]["val"][-1] for s in seeds]
+        b = [hists[key("bf16", s)]["val"][-1] for s in seeds if key("bf16", s) in hists]
         print(f"bf16 across seeds: {min(b):.4f}..{max(b):.4f} ({100 * (max(b) / min(b) - 1):.2f} % spread)")
+
+
+def pool(paths: List[str], plot_path: str) -> Dict[str, Dict]:
+    """Summarize runs written by several processes (``--json``), e.g. one
+    seed per process side by side on one GPU."""
+    import json
+    hists, seeds, recipes = {}, [], []
+    for path in paths:
+        with open(path) as fh:
+            saved = json.load(fh)
+        hists.update(saved["runs"])
+        seeds += [s for s in saved["seeds"] if s not in seeds]
+        recipes += [r for r in saved["recipes"] if r not in recipes]
+    seeds.sort()
+    for name, h in hists.items():
+        print(f"{name}: final val loss {h['val'][-1]:.4f}, {h['tokens_per_s'] / 1e3:.1f} k tokens/s")
+    summarize(hists, seeds, recipes)
+    if plot_path:
+        plot(hists, plot_path)
+    return hists
 
 
 def plot(hists: Dict[str, Dict], path: str) -> None:
@@ -256,12 +313,22 @@ def plot(hists: Dict[str, Dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, h in hists.items():
-        k = max(1, len(h["train"]) // 100)
-        smooth = torch.tensor(h["train"]).unfold(0, k, k).mean(1) if len(h["train"]) >= k else torch.tensor(h["train"])
-        ax.plot([h["step"][min(len(h["step"]) - 1, (i + 1) * k - 1)] for i in range(len(smooth))], smooth.tolist(),
+    groups: Dict[str, List[Dict]] = {}
+    for name, h in hists.items():   # "fp8 s3" -> "fp8": one curve (and band) per recipe
+        groups.setdefault(name.split(" s")[0] if len(hists) > 2 else name, []).append(h)
+    for name, hs in groups.items():
+        k = max(1, len(hs[0]["train"]) // 100)
+        train = torch.tensor([h["train"] for h in hs]).mean(0)
+        smooth = train.unfold(0, k, k).mean(1) if len(train) >= k else train
+        steps = hs[0]["step"]
+        ax.plot([steps[min(len(steps) - 1, (i + 1) * k - 1)] for i in range(len(smooth))], smooth.tolist(),
                 label=f"{name} train", alpha=0.6)
-        ax.plot(h["val_step"], h["val"], "o-", label=f"{name} val ({h['val'][-1]:.4f})")
+        val = torch.tensor([h["val"] for h in hs])
+        final = f"{val[0, -1]:.4f}" if len(hs) == 1 else f"mean {val[:, -1].mean():.4f} over {len(hs)} runs"
+        line, = ax.plot(hs[0]["val_step"], val.mean(0).tolist(), "o-", label=f"{name} val ({final})")
+        if len(hs) > 1:
+            ax.fill_between(hs[0]["val_step"], val.min(0).values.tolist(), val.max(0).values.tolist(),
+                            color=line.get_color(), alpha=0.15)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per byte)")
     ax.set_title("MoE LM on the Python standard library: BF16 vs FP8 block scaling (lpmoe)")
@@ -283,6 +350,9 @@ def parse_args(argv: Optional[List[str]] = None):
     p.add_argument("--ffn", type=int, default=512, help="expert hidden size (SwiGLU: fc1 has 2x)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--pos", choices=("rope", "learned"), default="rope",
+                   help="position encoding: rotary (default), or learned absolute embeddings, with which the runs "
+                        "sit on a bigram plateau (loss ~2.4) for hundreds of steps")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--aux-coeff", type=float, default=0.01)
@@ -290,21 +360,29 @@ def parse_args(argv: Optional[List[str]] = None):
     p.add_argument("--eval-batches", type=int, default=0, help="0: the whole validation text")
     p.add_argument("--data-mb", type=float, default=32.0, help="read at most this much source text")
     p.add_argument("--seeds", default="0", help="comma-separated; each seed trains every recipe")
-    p.add_argument("--recipes", default="bf16,fp8", help="comma-separated: bf16, fp8, fp8-hp-backward")
+    p.add_argument("--recipes", default="bf16,fp8", help="comma-separated: bf16, fp8, fp8-hp-backward, bf16-repeat")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plot", default="moe_lm_loss.png", help="PNG path ('' to skip)")
+    p.add_argument("--json", default="", help="also write every run's history here (to pool seeds run as processes)")
+    p.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                   help="train nothing: summarize (and plot) the runs in these --json files")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Dict]:
     args = parse_args(argv)
+    if args.pool:
+        return pool(args.pool, args.plot)
     device = torch.device(args.device)
     train_data, val_data = stdlib_bytes(args.data_mb)
     print(f"data: {train_data.numel() / 2**20:.1f} MiB train, {val_data.numel() / 2**20:.1f} MiB val "
           f"(Python {sys.version.split()[0]} standard library); device {device}")
     recipes = {"bf16": None, "fp8": Float8BlockScaling(),
                # FP8 forward, high-precision backward GEMMs: which half of FP8 moves the curve
-               "fp8-hp-backward": Float8BlockScaling(backward_override="high_precision")}
+               "fp8-hp-backward": Float8BlockScaling(backward_override="high_precision"),
+               # BF16 again (another process or run): how far two runs of the same
+               # seed and recipe end apart, the noise floor of the FP8/BF16 gap
+               "bf16-repeat": None}
     hists = {}
     seeds = [int(v) for v in args.seeds.split(",")]
     for seed in seeds:
@@ -315,6 +393,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict]:
         print(f"{name}: final val loss {h['val'][-1]:.4f}, {h['tokens_per_s'] / 1e3:.1f} k tokens/s, "
               f"{h['passes']:.2f} passes over the training text")
     summarize(hists, seeds, args.recipes.split(","))
+    if args.json:
+        import json
+        seeded = hists if len(seeds) > 1 else {f"{k} s{seeds[0]}": h for k, h in hists.items()}
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "seeds": seeds, "recipes": args.recipes.split(","), "runs": seeded}, fh)
     if args.plot:
         plot(hists, args.plot)
     return hists

@@ -24,6 +24,25 @@ def test_train_moe_lm_smoke(tmp_path):
         assert not png.exists()
 
 
+def test_train_moe_lm_pools_seeds_from_processes(tmp_path, capsys):
+    """Seeds trained by separate invocations (--json) pool into one summary
+    with the per-seed gaps and their mean; the pooled histories are the
+    written ones."""
+    lm = _load("train_moe_lm")
+    tiny = ["--steps", "6", "--batch", "2", "--seq", "32", "--layers", "1", "--d-model", "32", "--heads", "2",
+            "--ffn", "32", "--experts", "2", "--eval-every", "3", "--eval-batches", "1", "--data-mb", "0.5",
+            "--device", "cpu", "--plot", ""]
+    runs = {}
+    for seed in (0, 1):
+        runs[seed] = lm.main(tiny + ["--seeds", str(seed), "--json", str(tmp_path / f"s{seed}.json")])
+    capsys.readouterr()
+    pooled = lm.main(["--pool", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"), "--plot", ""])
+    assert set(pooled) == {"bf16 s0", "fp8 s0", "bf16 s1", "fp8 s1"}
+    assert pooled["fp8 s1"]["val"] == runs[1]["fp8"]["val"]
+    out = capsys.readouterr().out
+    assert "fp8 vs bf16 over 2 seeds: mean" in out and "bf16 across seeds" in out
+
+
 def test_moe_layer_example_learns_cpu():
     ex = _load("moe_layer")
     losses = ex.main(["--device", "cpu", "--tokens", "256", "--hidden", "64", "--ffn", "32", "--experts", "4",
