@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import lpmoe
 from lpmoe.recipe import Float8BlockScaling
 
-from _common import parser, peak_gib, splits_for, time_and_peak, write_summary
+from _common import add_sustained, median_ms, parser, peak_gib, splits_for, sustained_ms, write_summary
 
 HIDDEN, FFN = 7168, 2048
 
@@ -57,7 +57,17 @@ def free_memory():
     torch.cuda.empty_cache()
 
 
-def run_case(g, tokens, skewed):
+def run_case(g, tokens, skewed, sustained=0.0):
+    def time_and_peak(step, reset):
+        """(ms per step, peak GiB of one step above its start): 7 samples of 3
+        steps (mostly the boost clock), or with ``sustained`` the median of 40
+        steps after that many seconds of back-to-back steps (the power-capped
+        clock a training run sees: docs/grouped-mlp-notes.md, "The step's
+        clock")."""
+        peak = peak_gib(step, reset)
+        ms = sustained_ms(step, heat_s=sustained) if sustained else median_ms(step, warmup=2, iters=7, reps=3)
+        return ms, peak
+
     splits = splits_for(g, tokens, skewed)
     m = torch.tensor(splits, device="cuda")
     offs = torch.cumsum(m, 0).to(torch.int32)
@@ -118,15 +128,18 @@ def run_case(g, tokens, skewed):
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    add_sustained(p)
+    args = p.parse_args()
     torch.manual_seed(0)
     cases = [(8, 65536, False), (8, 65536, True), (32, 16384, False), (32, 16384, True)]
     if args.quick:
         cases = cases[:1]
-    print(f"device {torch.cuda.get_device_name()}  (ms per fwd+bwd step; peak GiB above the step's start)")
+    print(f"device {torch.cuda.get_device_name()}  (ms per fwd+bwd step"
+          f"{f', after {args.sustained} s of steps' if args.sustained else ''}; peak GiB above the step's start)")
     rows = []
     for g, tokens, skewed in cases:
-        r = run_case(g, tokens, skewed)
+        r = run_case(g, tokens, skewed, args.sustained)
         free_memory()
         tag = f"g={g} tok={tokens} {'skew' if skewed else 'unif'}"
         cells = "  ".join(f"{k[0]}/{k[1]} {v[0]:7.2f} ms {v[1]:5.2f} GiB" for k, v in r.items() if len(k) == 2)
