@@ -9,7 +9,9 @@ SwiGLU -> 7168, router probabilities applied), side by side in one run:
              (PyTorch's own grouped GEMMs, autograd)
 
 Graph-safe device m_splits for lpmoe, device offsets for torch.  Reports ms
-per step (median of 7 samples of 3 steps), FP8's speedup over bf16 and
+per step (median of 7 samples of 3 steps, mostly at the boost clock; with
+--sustained S the median of 40 steps after S seconds of back-to-back steps,
+at the power-capped clock a training run sees), FP8's speedup over bf16 and
 torch, and peak device memory of one step above what was allocated before it
 (parameters, inputs, dy): "fresh" allocates the weight gradients during the
 step (zero_grad(set_to_none=True)); "main_grad" accumulates them into

@@ -257,11 +257,13 @@ def train(args, label, recipe, seed, train_data, val_data, device) -> Dict[str, 
     return hist
 
 
-def summarize(hists: Dict[str, Dict], seeds: List[int], recipes: List[str]) -> None:
+def summarize(hists: Dict[str, Dict], seeds: List[int], recipes: List[str], seed_keys: bool = False) -> None:
     """Each recipe's final validation loss against BF16's, per seed, beside
     BF16's own spread across seeds (what "within 1 %" is resolved against);
-    with several seeds also the mean gap and its standard error."""
-    key = (lambda name, seed: name) if len(seeds) == 1 else (lambda name, seed: f"{name} s{seed}")
+    with several seeds also the mean gap and its standard error.  Runs are
+    keyed "<recipe> s<seed>" when there are several seeds or ``seed_keys``."""
+    seeded = seed_keys or len(seeds) > 1
+    key = (lambda name, seed: f"{name} s{seed}") if seeded else (lambda name, seed: name)
     if "bf16" not in recipes:
         return
     for name in recipes:
@@ -269,6 +271,9 @@ def summarize(hists: Dict[str, Dict], seeds: List[int], recipes: List[str]) -> N
             continue
         pairs = [(hists[key("bf16", s)], hists[key(name, s)]) for s in seeds
                  if key("bf16", s) in hists and key(name, s) in hists]
+        if not pairs:
+            print(f"{name}: no seed has both a bf16 and a {name} run; nothing to compare")
+            continue
         gaps = [f["val"][-1] / b["val"][-1] - 1 for b, f in pairs]
         speed = [f["tokens_per_s"] / b["tokens_per_s"] for b, f in pairs]
         print(f"{name} vs bf16 final val loss: " + ", ".join(f"{100 * g:+.2f} %" for g in gaps)
@@ -278,8 +283,8 @@ def summarize(hists: Dict[str, Dict], seeds: List[int], recipes: List[str]) -> N
             print(f"{name} vs bf16 over {len(gaps)} seeds: mean {100 * g.mean():+.2f} %, "
                   f"standard error {100 * g.std() / math.sqrt(len(gaps)):.2f} %, "
                   f"largest |gap| {100 * g.abs().max():.2f} %")
-    if len(seeds) > 1:
-        b = [hists[key("bf16", s)]["val"][-1] for s in seeds if key("bf16", s) in hists]
+    b = [hists[key("bf16", s)]["val"][-1] for s in seeds if key("bf16", s) in hists]
+    if len(b) > 1:
         print(f"bf16 across seeds: {min(b):.4f}..{max(b):.4f} ({100 * (max(b) / min(b) - 1):.2f} % spread)")
 
 
@@ -287,17 +292,30 @@ def pool(paths: List[str], plot_path: str) -> Dict[str, Dict]:
     """Summarize runs written by several processes (``--json``), e.g. one
     seed per process side by side on one GPU."""
     import json
-    hists, seeds, recipes = {}, [], []
+    # Arguments that do not change a run's training: everything else must match.
+    per_process = {"seeds", "recipes", "json", "plot", "pool", "device"}
+    hists, seeds, recipes, setup, first = {}, [], [], None, None
     for path in paths:
         with open(path) as fh:
             saved = json.load(fh)
+        this = {k: v for k, v in saved["args"].items() if k not in per_process}
+        if setup is None:
+            setup, first = this, path
+        elif this != setup:
+            diff = sorted(k for k in set(this) | set(setup) if this.get(k) != setup.get(k))
+            raise ValueError(f"--pool: {path} was trained with other arguments than {first} ({', '.join(diff)}); "
+                             "only runs of the same setup can be compared")
+        twice = sorted(set(hists) & set(saved["runs"]))
+        if twice:
+            raise ValueError(f"--pool: {path} repeats run(s) {', '.join(twice)} of an earlier file "
+                             "(give a repeated BF16 run the recipe name bf16-repeat)")
         hists.update(saved["runs"])
         seeds += [s for s in saved["seeds"] if s not in seeds]
         recipes += [r for r in saved["recipes"] if r not in recipes]
     seeds.sort()
-    for name, h in hists.items():
+    for name, h in hists.items():   # tokens/s of processes sharing one GPU: each other's load included
         print(f"{name}: final val loss {h['val'][-1]:.4f}, {h['tokens_per_s'] / 1e3:.1f} k tokens/s")
-    summarize(hists, seeds, recipes)
+    summarize(hists, seeds, recipes, seed_keys=True)
     if plot_path:
         plot(hists, plot_path)
     return hists
@@ -315,7 +333,7 @@ def plot(hists: Dict[str, Dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     groups: Dict[str, List[Dict]] = {}
     for name, h in hists.items():   # "fp8 s3" -> "fp8": one curve (and band) per recipe
-        groups.setdefault(name.split(" s")[0] if len(hists) > 2 else name, []).append(h)
+        groups.setdefault(name.rsplit(" s", 1)[0] if len(hists) > 2 else name, []).append(h)
     for name, hs in groups.items():
         k = max(1, len(hs[0]["train"]) // 100)
         train = torch.tensor([h["train"] for h in hs]).mean(0)
@@ -366,7 +384,10 @@ def parse_args(argv: Optional[List[str]] = None):
     p.add_argument("--json", default="", help="also write every run's history here (to pool seeds run as processes)")
     p.add_argument("--pool", nargs="+", default=None, metavar="JSON",
                    help="train nothing: summarize (and plot) the runs in these --json files")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.pos == "rope" and (args.d_model % args.heads or (args.d_model // args.heads) % 2):
+        p.error(f"--pos rope needs an even head size: --d-model {args.d_model} / --heads {args.heads}")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Dict]:

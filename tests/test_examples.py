@@ -1,6 +1,8 @@
 """Short smoke runs of the examples (CI covers them on the CPU)."""
 import importlib.util
 
+import pytest
+
 from conftest import load_example as _load
 
 
@@ -41,6 +43,19 @@ def test_train_moe_lm_pools_seeds_from_processes(tmp_path, capsys):
     assert pooled["fp8 s1"]["val"] == runs[1]["fp8"]["val"]
     out = capsys.readouterr().out
     assert "fp8 vs bf16 over 2 seeds: mean" in out and "bf16 across seeds" in out
+    # one seed's recipes from separate processes pool too (the bf16-repeat use)
+    lm.main(tiny + ["--seeds", "0", "--recipes", "bf16-repeat", "--json", str(tmp_path / "r0.json")])
+    capsys.readouterr()
+    both = lm.main(["--pool", str(tmp_path / "s0.json"), str(tmp_path / "r0.json"), "--plot", ""])
+    # (on the CPU a repeated run is bitwise the same: a gap of exactly 0)
+    assert both["bf16-repeat s0"]["val"] == both["bf16 s0"]["val"]
+    assert "bf16-repeat vs bf16 final val loss: +0.00 %" in capsys.readouterr().out
+    # a run given twice, or runs of another setup, are refused
+    with pytest.raises(ValueError, match="repeats run"):
+        lm.main(["--pool", str(tmp_path / "s0.json"), str(tmp_path / "s0.json"), "--plot", ""])
+    lm.main(tiny[:1] + ["7"] + tiny[2:] + ["--seeds", "2", "--json", str(tmp_path / "long.json")])
+    with pytest.raises(ValueError, match="other arguments.*steps"):
+        lm.main(["--pool", str(tmp_path / "s0.json"), str(tmp_path / "long.json"), "--plot", ""])
 
 
 def test_moe_layer_example_learns_cpu():
