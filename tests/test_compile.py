@@ -80,6 +80,25 @@ def test_compile_grouped_linear_cpu(recipe, host):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("layer", ["linear", "mlp"])
+def test_compile_fp32_parameters_with_biases_cpu(layer):
+    """fp32 parameters (the CPU default dtype) with biases: the bias gradient
+    is a column of a (G, N, 16) GEMM result, and .to(fp32) used to return
+    that strided view, which the compiled graph's stride check refused."""
+    torch.manual_seed(0)
+    m = (lpmoe.GroupedLinear(4, 128, 64, bias=True, device="cpu") if layer == "linear"
+         else lpmoe.GroupedMLP(4, 128, 64, bias=True, device="cpu"))
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    x = _x().float()
+    for values in ([32, 0, 64, 16], [0, 0, 0, 128]):
+        s = _splits(values=values)
+        out = _run(_compiled(m, counter), x, s)
+        _assert_equal(out, _run(m, x, s))
+        assert all(g is None or g.is_contiguous() for g in out)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("recipe", [None, Float8BlockScaling()], ids=repr)
 def test_compile_grouped_mlp_cpu_new_routing_no_recompile(recipe):
     mlp = lpmoe.GroupedMLP(4, 128, 64, params_dtype=torch.bfloat16, device="cpu")

@@ -35,7 +35,9 @@ def bias_grad(dy: torch.Tensor, splits) -> torch.Tensor:
     ones = torch.ones((dy.shape[0], _BIAS_ONES_COLS), dtype=dy.dtype, device=dy.device)
     sums = grouped_gemm(grouped_rows(dy, splits.device), grouped_rows(ones, splits.device), kind="wgrad",
                         out_dtype=torch.float32, m_splits=splits.host)
-    return sums[:, :, 0]
+    # contiguous: the layer ops' fakes promise dense (G, N) gradients, and with
+    # fp32 parameters bias_step's .to() would hand this strided view on
+    return sums[:, :, 0].contiguous()
 
 
 def dgrad_step(policy: LinearPolicy, grad: Grad, saved_w, splits, shape: Tuple[int, int, int]
