@@ -105,11 +105,16 @@ def host_us(fn: Callable[[], object], n: int = 50) -> float:
     return (t1 - t0) / n * 1e6
 
 
-def time_and_peak(step: Callable[[], object], reset: Callable[[], object] = lambda: None):
+def time_and_peak(step: Callable[[], object], reset: Callable[[], object] = lambda: None, sustained: float = 0.0):
     """(median ms per step, peak GiB of one step above what was allocated
     before it).  One step runs first (workspaces, caches), then ``reset``
-    (e.g. drop the gradients it made), then the measured step."""
+    (e.g. drop the gradients it made), then the measured step.  Timing: 7
+    samples of 3 steps (mostly the boost clock), or with ``sustained`` > 0
+    :func:`sustained_ms` after that many seconds of steps (the power-capped
+    clock a training run sees)."""
     peak = peak_gib(step, reset)
+    if sustained > 0:
+        return sustained_ms(step, heat_s=sustained), peak
     return median_ms(step, warmup=2, iters=7, reps=3), peak
 
 

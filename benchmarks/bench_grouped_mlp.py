@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import lpmoe
 from lpmoe.recipe import Float8BlockScaling
 
-from _common import add_sustained, median_ms, parser, peak_gib, splits_for, sustained_ms, write_summary
+from _common import add_sustained, parser, peak_gib, splits_for, time_and_peak, write_summary
 
 HIDDEN, FFN = 7168, 2048
 
@@ -60,16 +60,6 @@ def free_memory():
 
 
 def run_case(g, tokens, skewed, sustained=0.0):
-    def time_and_peak(step, reset):
-        """(ms per step, peak GiB of one step above its start): 7 samples of 3
-        steps (mostly the boost clock), or with ``sustained`` the median of 40
-        steps after that many seconds of back-to-back steps (the power-capped
-        clock a training run sees: docs/grouped-mlp-notes.md, "The step's
-        clock")."""
-        peak = peak_gib(step, reset)
-        ms = sustained_ms(step, heat_s=sustained) if sustained else median_ms(step, warmup=2, iters=7, reps=3)
-        return ms, peak
-
     splits = splits_for(g, tokens, skewed)
     m = torch.tensor(splits, device="cuda")
     offs = torch.cumsum(m, 0).to(torch.int32)
@@ -106,7 +96,7 @@ def run_case(g, tokens, skewed, sustained=0.0):
             # the leaves' grads too: a dx left from the warm-up step would be freed and
             # re-made inside the measured step and so never show in its peak
             reset = leaf_grads_off if main else lambda: (leaf_grads_off(), mlp.zero_grad(set_to_none=True))
-            res[(name, grads)] = time_and_peak(step, reset)
+            res[(name, grads)] = time_and_peak(step, reset, sustained)
             if not cached:
                 res[(name, grads, "x in step")] = peak_gib(lambda: step(True), reset)
             del mlp
@@ -120,7 +110,8 @@ def run_case(g, tokens, skewed, sustained=0.0):
             tm(x, offs, p).backward(dy)
         try:
             res[("torch", grads)] = time_and_peak(tstep, leaf_grads_off if grads == "main_grad" else
-                                                  lambda: (leaf_grads_off(), tm.zero_grad(set_to_none=True)))
+                                                  lambda: (leaf_grads_off(), tm.zero_grad(set_to_none=True)),
+                                                  sustained)
         except RuntimeError as exc:  # e.g. no grouped-mm backward in this torch
             print(f"  torch._grouped_mm MLP unavailable: {str(exc)[:100]}")
             break

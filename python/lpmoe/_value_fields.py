@@ -77,4 +77,3 @@ def shared(obj: ValueFields, extra: tuple, make):
             _SHARED.clear()
         got = _SHARED[key] = make()._freeze()
     return got
-
