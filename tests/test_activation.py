@@ -1,6 +1,8 @@
 """Expert-MLP activations: the exact-math reference (CPU) and the fused
 kernels (GPU) bit for bit against it, high precision and FP8 outputs."""
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +105,29 @@ def test_kernel_exp_shortcut_gives_the_spec_sigmoid():
     spec = R.sigmoid_lp(x)
     assert same_bits(ours, spec) == 0
     assert bool(torch.isnan(ours[torch.isnan(x)]).all())
+
+
+def _table_bound(name):
+    src = (Path(__file__).resolve().parents[1] / "csrc/activation/sigmoid_table.cuh").read_text()
+    return int(re.search(rf"constexpr uint32_t {name} = (0x[0-9A-Fa-f]+);", src).group(1), 16)
+
+
+def test_sigmoid_table_band_matches_the_spec_on_every_bf16():
+    """The bf16 SwiGLU kernels look the sigmoid up in a table over the
+    magnitudes [kLo, kHi] and clamp every other gate to the band's ends
+    (csrc/activation/sigmoid_table.cuh).  That is exact only if the spec's
+    sigmoid is 0.5 at and below kLo (either sign), and 1 (positive) or 0
+    (negative) at and above kHi, +-inf included; and the band is no wider
+    than it must be."""
+    lo, hi = _table_bound("kLo"), _table_bound("kHi")
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    g = bits.to(torch.int16).view(torch.bfloat16).float()
+    s = R.sigmoid_lp(g)
+    mag, neg, nan = bits & 0x7FFF, bits >= 0x8000, torch.isnan(g)
+    assert bool((s[(mag <= lo) & ~nan] == 0.5).all())
+    assert bool((s[(mag >= hi) & ~neg & ~nan] == 1.0).all())
+    assert bool((s[(mag >= hi) & neg & ~nan] == 0.0).all())
+    assert float(s[lo + 1]) != 0.5 and float(s[0x8000 | (hi - 1)]) != 0.0  # tight on both ends
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -331,6 +356,12 @@ def test_gpu_kernels_bitexact_on_every_input_value(monkeypatch, kind, dtype):
         fw = kernels.forward(x.cuda(), spec, p.cuda(), sp.cuda(), write_hp=False, quantizer=q)
         assert kernels.CALLS["fused_forward"] == before + 1
         _assert_same_fp8(_ref_quantized(ra, q, sp)[0], fw.quantized)
+        # the FP8 backward (for SwiGLU: the sigmoid table, da read without staging)
+        before = kernels.CALLS["fused_backward"]
+        bw = kernels.backward(da.cuda(), x.cuda(), spec, p.cuda(), sp.cuda(), dh_quantizer=q)
+        assert kernels.CALLS["fused_backward"] == before + 1
+        _assert_same_fp8(_ref_quantized(rdh, q, sp)[0], bw.dh_quantized)
+        assert same_bits(bw.dprobs, rdp) == 0
 
 
 @requires_cuda

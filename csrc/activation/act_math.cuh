@@ -96,11 +96,21 @@ __device__ __forceinline__ float clamp_value(float v, float limit) {
   return v > limit ? limit : (v < -limit ? -limit : v);
 }
 
+// SwiGLU from its gate's sigmoid s (computed here, or looked up:
+// sigmoid_table.cuh): u = (g s) v and the gradients for q = dL/du.
+__device__ __forceinline__ float swiglu_forward(float g, float v, float s) { return mul(mul(g, s), v); }
+__device__ __forceinline__ void swiglu_backward(float g, float v, float q, float s, float& dg, float& dv, float& u) {
+  const float si = mul(g, s);
+  u = mul(si, v);
+  dv = mul(q, si);
+  dg = mul(mul(q, v), mul(s, add(1.0f, mul(g, sub(1.0f, s)))));
+}
+
 // Forward: u = act(g) [* v for GLU kinds]; `v` unused otherwise.
 template <Kind K>
 __device__ __forceinline__ float forward(float g, float v, const Params& p) {
   if constexpr (K == Kind::kSwiGLU) {
-    return mul(mul(g, sigmoid_lp(g)), v);
+    return swiglu_forward(g, v, sigmoid_lp(g));
   } else if constexpr (K == Kind::kGeGLU) {
     float s;
     return mul(gelu_value(g, s), v);
@@ -122,11 +132,7 @@ template <Kind K>
 __device__ __forceinline__ void backward(float g, float v, float q, const Params& p, float& dg, float& dv,
                                          float& u) {
   if constexpr (K == Kind::kSwiGLU) {
-    const float s = sigmoid_lp(g);
-    const float si = mul(g, s);
-    u = mul(si, v);
-    dv = mul(q, si);
-    dg = mul(mul(q, v), mul(s, add(1.0f, mul(g, sub(1.0f, s)))));
+    swiglu_backward(g, v, q, sigmoid_lp(g), dg, dv, u);
   } else if constexpr (K == Kind::kGeGLU) {
     float s;
     const float ge = gelu_value(g, s);

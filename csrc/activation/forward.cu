@@ -4,13 +4,15 @@
 //
 // One pass over h: the gate (and value) tiles stream through shared memory
 // (act_tiles.cuh); each thread computes its 8x8 block of a in registers and
-// hands it to the tile quantizer while the next tile's copies land.
+// hands it to the tile quantizer while the next tile's copies land.  A bf16
+// SwiGLU takes its sigmoid from a shared-memory table (sigmoid_table.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "activation/act_math.cuh"
 #include "activation/act_tiles.cuh"
 #include "activation/activation.h"
+#include "activation/sigmoid_table.cuh"
 #include "fp8_block/tile_quantize.cuh"
 
 namespace lpmoe {
@@ -20,7 +22,14 @@ namespace {
 template <Kind K>
 constexpr int forward_inputs() { return is_glu(K) ? 2 : 1; }
 
-// 2 CTAs per SM (16 warps): one 32-64 KB stage each, at most 128 registers.
+// Dynamic shared memory: the input stage, then the sigmoid table if any.
+template <typename IType, Kind K>
+constexpr int forward_smem_bytes() {
+  return forward_inputs<K>() * stage_tile_bytes<IType>() + (sigmoid_table::used_by<IType, K>() ? sigmoid_table::kBytes : 0);
+}
+
+// 2 CTAs per SM (16 warps): one 32-64 KB stage (+ the 31.7 KB sigmoid table)
+// each, at most 128 registers.
 template <typename IType, Kind K, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs args) {
   extern __shared__ __align__(128) uint8_t stage_buf[];
@@ -31,6 +40,12 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs 
   const int64_t ld = is_glu(K) ? 2 * c.ffn : c.ffn;
   const IType* h = static_cast<const IType*>(args.h);
   RawVec8<IType> out[kStageRowsPerThread];
+  constexpr bool kTable = sigmoid_table::used_by<IType, K>();
+  float* table = reinterpret_cast<float*>(stage_buf + kIn * kTileBytes);
+  if constexpr (kTable) {
+    sigmoid_table::fill(table);
+    __syncthreads();
+  }
 
   auto stage = [&](uint8_t* buf, const TileRef& t) {
     const IType* gate = h + t.ti.row0 * ld + static_cast<int64_t>(t.x) * kTile;
@@ -48,7 +63,14 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs 
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const float v = kIn == 2 ? elem<IType>(value, e) : 0.0f;
-        float u = math::forward<K>(elem<IType>(gate, e), v, c.params);
+        float u;
+        if constexpr (kTable) {  // math::forward<kSwiGLU> with the sigmoid looked up
+          const float g = elem<IType>(gate, e);
+          const float s = sigmoid_table::lookup(table, sigmoid_table::pair_offsets(word(gate, e >> 1)), e & 1);
+          u = math::swiglu_forward(g, v, s);
+        } else {
+          u = math::forward<K>(elem<IType>(gate, e), v, c.params);
+        }
         if (c.probs != nullptr) u = math::mul(u, p[r]);
         set_elem<IType>(out[r], e, u);
       }
@@ -64,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs 
 template <typename IType, bool kFp8>
 cudaError_t launch_kind(const ForwardArgs& a, cudaStream_t stream) {
   return dispatch_kind(a.c.kind, [&]<Kind K>() {
-    return launch_tiles(forward_kernel<IType, K, kFp8>, forward_inputs<K>() * stage_tile_bytes<IType>(), a.c, a, stream);
+    return launch_tiles(forward_kernel<IType, K, kFp8>, forward_smem_bytes<IType, K>(), a.c, a, stream);
   });
 }
 

@@ -45,6 +45,36 @@ __device__ __forceinline__ void stage_tile_async(uint8_t* stage, const IType* or
   }
 }
 
+// The same part of a tile straight into registers (rows >= rows_valid and
+// columns >= cols_valid as zeros), for a tile that is not staged.
+template <typename IType>
+__device__ __forceinline__ void load_tile_rows(const IType* origin, int64_t ld, int rows_valid, int cols_valid,
+                                               RawVec8<IType> (&raw)[kStageRowsPerThread]) {
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const bool col_ok = c * 8 < cols_valid;
+#pragma unroll
+  for (int r = 0; r < kStageRowsPerThread; ++r) {
+    const int row = g * kStageRowsPerThread + r;
+    if (col_ok && row < rows_valid) load_vec8<IType>(origin + row * ld + c * 8, raw[r]);
+    else zero_vec8<IType>(raw[r]);
+  }
+}
+
+// Asks L2 for this thread's part of a tile that load_tile_rows will read
+// later (one prefetch per 16-byte piece; no registers, no completion to wait for).
+template <typename IType>
+__device__ __forceinline__ void prefetch_tile_l2(const IType* origin, int64_t ld, int rows_valid, int cols_valid) {
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  if (c * 8 >= cols_valid) return;
+#pragma unroll
+  for (int r = 0; r < kStageRowsPerThread; ++r) {
+    const int row = g * kStageRowsPerThread + r;
+    if (row < rows_valid) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(origin + row * ld + c * 8));
+  }
+}
+
 // This thread's 8 rows x 8 columns of a stage.
 template <typename IType>
 __device__ __forceinline__ void read_stage_tile(const uint8_t* stage, RawVec8<IType> (&raw)[kStageRowsPerThread]) {
