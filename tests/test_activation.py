@@ -329,14 +329,28 @@ def test_gpu_fused_backward_fp8_bitexact(monkeypatch, splits, f, kind):
     assert torch.equal(res.dbias.view(torch.int16), dbias.view(torch.int16))
 
 
+def _table_expected(kind, dtype, table):
+    """Whether a launch takes the sigmoid table (csrc/activation/heuristics.cu)."""
+    if kind != "swiglu" or dtype != torch.bfloat16:
+        return False
+    if table is None:
+        table = lpmoe._ext.ext().activation_dram_bytes_per_sm_cycle(torch.cuda.current_device()) >= 16.0
+    return bool(table)
+
+
 @requires_cuda
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_kernels_bitexact_on_every_input_value(monkeypatch, kind, dtype):
+@pytest.mark.parametrize("table", [False, True])
+def test_gpu_kernels_bitexact_on_every_input_value(monkeypatch, kind, dtype, table):
     """Every 16-bit pattern as the activation input (the gate for GLU kinds):
     the element math of the fused kernels (high precision and, for bf16, FP8)
-    equals the reference on its whole input domain, not only on samples."""
+    equals the reference on its whole input domain, not only on samples;
+    with the sigmoid table forced off and on (bf16 SwiGLU; the counter proves
+    which variant ran: the high-precision backward never takes it)."""
     _poisoned_empty(monkeypatch)
+    monkeypatch.setattr(kernels, "SIGMOID_TABLE", table)
+    launches = kernels.sigmoid_table_launches()
     f = 256
     every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).reshape(-1, f)
     rows = every.shape[0]
@@ -349,6 +363,7 @@ def test_gpu_kernels_bitexact_on_every_input_value(monkeypatch, kind, dtype):
     a = kernels.forward(x.cuda(), spec, p.cuda(), None, write_hp=True).hp
     res = kernels.backward(da.cuda(), x.cuda(), spec, p.cuda(), None, dh_hp=True)
     assert same_bits(a, ra) == 0 and same_bits(res.dh, rdh) == 0 and same_bits(res.dprobs, rdp) == 0
+    assert kernels.sigmoid_table_launches() - launches == (1 if _table_expected(kind, dtype, table) else 0)
     if dtype == torch.bfloat16:
         q = Float8BlockQuantizer(E4M3, block_dim=1)
         sp = torch.tensor([rows])
@@ -362,6 +377,44 @@ def test_gpu_kernels_bitexact_on_every_input_value(monkeypatch, kind, dtype):
         assert kernels.CALLS["fused_backward"] == before + 1
         _assert_same_fp8(_ref_quantized(rdh, q, sp)[0], bw.dh_quantized)
         assert same_bits(bw.dprobs, rdp) == 0
+        assert kernels.sigmoid_table_launches() - launches == (3 if _table_expected(kind, dtype, table) else 0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("splits,f", GPU_SPLITS)
+@pytest.mark.parametrize("table", [None, False, True])
+def test_gpu_swiglu_sigmoid_table_variants_bitexact(monkeypatch, splits, f, table):
+    """The FP8 SwiGLU forward and backward with the sigmoid table forced off,
+    on, and as the device decides (csrc/activation/heuristics.cu): the same
+    bits as the reference on member sizes 0, 1, 127, 129 and capacity tails,
+    and the launch counter says which variant ran."""
+    _poisoned_empty(monkeypatch)
+    monkeypatch.setattr(kernels, "SIGMOID_TABLE", table)
+    h, sp, rows = _splits_case(splits, f, "swiglu")
+    da = rand_h(rows, f, seed=5)
+    p = torch.rand(rows)
+    q = Float8BlockQuantizer(E4M3, block_dim=1)
+    spec = Activation("swiglu")
+    launches = kernels.sigmoid_table_launches()
+    fw = kernels.forward(h.cuda(), spec, p.cuda(), sp.cuda(), write_hp=False, quantizer=q)
+    bw = kernels.backward(da.cuda(), h.cuda(), spec, p.cuda(), sp.cuda(), dh_quantizer=q, dbias=True)
+    expected = _table_expected("swiglu", torch.bfloat16, table)
+    assert kernels.sigmoid_table_launches() - launches == (2 if expected else 0)
+    _assert_same_fp8(_ref_quantized(R.activation_forward(h, "swiglu", p), q, sp)[0], fw.quantized)
+    rdh, _, rdp = R.activation_backward(da, h, "swiglu", p)
+    _assert_same_fp8(_ref_quantized(rdh, q, sp)[0], bw.dh_quantized)
+    used = sum(splits)
+    assert same_bits(bw.dprobs[:used], rdp[:used]) == 0
+    _, dbias = lpmoe.group_quantize_dbias(rdh.cuda(), q, len(splits), first_dims=sp.cuda())
+    assert torch.equal(bw.dbias.view(torch.int16), dbias.view(torch.int16))
+
+
+@requires_cuda
+def test_gpu_sigmoid_table_device_figure():
+    """The figure the heuristic reads is a real bandwidth: between 5 and 40
+    bytes per SM cycle on Hopper/Blackwell parts (H100 SXM ~12.8, H200 ~18.8)."""
+    figure = lpmoe._ext.ext().activation_dram_bytes_per_sm_cycle(torch.cuda.current_device())
+    assert 5.0 < figure < 40.0, figure
 
 
 @requires_cuda

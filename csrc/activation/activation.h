@@ -37,8 +37,14 @@ struct Params {
   float limit = 7.0f;    // clamped SwiGLU: gate <= limit, |value| <= limit
 };
 
+// Whether a bf16 SwiGLU kernel takes its sigmoid from the shared-memory table
+// (sigmoid_table.cuh).  kAuto: where the device makes these kernels
+// issue-bound (heuristics.cu); kOff / kOn force it (tests, A/B timing).
+enum class SigmoidTable : int { kAuto = -1, kOff = 0, kOn = 1 };
+
 struct Common {
   Kind kind = Kind::kSwiGLU;
+  SigmoidTable sigmoid_table = SigmoidTable::kAuto;
   Params params;
   DType dtype = DType::kBFloat16;  // of h, da and every high-precision output
   int64_t rows = 0;                // buffer rows (capacity)
@@ -70,6 +76,10 @@ struct BackwardArgs {
 // and fp8_block::launch_quantize otherwise.
 cudaError_t launch_forward(const ForwardArgs& args, cudaStream_t stream);
 cudaError_t launch_backward(const BackwardArgs& args, cudaStream_t stream);
+
+// Launches of a sigmoid-table kernel since the process started (so tests can
+// prove which variant ran).
+int64_t sigmoid_table_launches();
 
 struct ProbsGradArgs {
   const float* partials = nullptr;  // from launch_backward

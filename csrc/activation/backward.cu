@@ -12,6 +12,7 @@
 #include "activation/act_math.cuh"
 #include "activation/act_tiles.cuh"
 #include "activation/activation.h"
+#include "activation/heuristics.h"
 #include "activation/sigmoid_table.cuh"
 #include "fp8_block/tile_quantize.cuh"
 
@@ -29,17 +30,17 @@ __device__ __forceinline__ float half_warp_sum(float s) {
   return s;
 }
 
-// The FP8 bf16 SwiGLU backward takes its sigmoid from the table (31.7 KB).
-// To keep 2 CTAs per SM its da tile is then not staged but read straight
-// into registers, after an L2 prefetch one tile ahead.  (H200, 8 x 64k
-// tokens, F 2048: 511 -> 482 us.  The high-precision kernel stays as it was:
-// there the same change spills and runs 2 % slower.)
+// The FP8 bf16 SwiGLU backward may take its sigmoid from the table (31.7 KB;
+// heuristics.cu decides per device).  To keep 2 CTAs per SM its da tile is
+// then not staged but read straight into registers, after an L2 prefetch one
+// tile ahead.  (H200, 8 x 64k tokens, F 2048: 511 -> 482 us.  The
+// high-precision kernel never takes it: there the same change spills and runs
+// 2 % slower.)
 template <typename IType, Kind K, bool kFp8>
-constexpr bool uses_table() { return kFp8 && sigmoid_table::used_by<IType, K>(); }
+constexpr bool table_allowed() { return kFp8 && sigmoid_table::used_by<IType, K>(); }
 
-template <typename IType, Kind K, bool kFp8>
+template <typename IType, Kind K, bool kTable>
 constexpr int backward_smem_bytes() {
-  constexpr bool kTable = uses_table<IType, K, kFp8>();
   return (backward_inputs<K>() - (kTable ? 1 : 0)) * stage_tile_bytes<IType>() + (kTable ? sigmoid_table::kBytes : 0);
 }
 
@@ -48,13 +49,13 @@ constexpr int backward_smem_bytes() {
 // registers.  Only one dh half is held in registers at a time: compute()
 // parks the value half in this thread's own slots of the value stage (just
 // read, refilled only by stage_late after finish), so nothing spills.
-template <typename IType, Kind K, bool kFp8>
+template <typename IType, Kind K, bool kFp8, bool kTable>
 __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArgs args) {
+  static_assert(!kTable || table_allowed<IType, K, kFp8>(), "the table serves the FP8 bf16 SwiGLU backward");
   extern __shared__ __align__(128) uint8_t stage_buf[];
   __shared__ fp8_block::Smem sm;
   constexpr bool kGlu = is_glu(K);
   constexpr int kTileBytes = stage_tile_bytes<IType>();
-  constexpr bool kTable = uses_table<IType, K, kFp8>();
   constexpr bool kStageDa = !kTable;
   // stage layout: [da] gate [value] [sigmoid table]
   constexpr int kGate = kStageDa ? kTileBytes : 0;
@@ -150,7 +151,15 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArg
 template <typename IType, bool kFp8>
 cudaError_t launch_kind(const BackwardArgs& a, cudaStream_t stream) {
   return dispatch_kind(a.c.kind, [&]<Kind K>() {
-    return launch_tiles(backward_kernel<IType, K, kFp8>, backward_smem_bytes<IType, K, kFp8>(), a.c, a, stream);
+    if constexpr (table_allowed<IType, K, kFp8>()) {
+      if (use_sigmoid_table(a.c)) {
+        count_sigmoid_table_launch();
+        return launch_tiles(backward_kernel<IType, K, kFp8, true>, backward_smem_bytes<IType, K, true>(), a.c, a,
+                            stream);
+      }
+    }
+    return launch_tiles(backward_kernel<IType, K, kFp8, false>, backward_smem_bytes<IType, K, false>(), a.c, a,
+                        stream);
   });
 }
 

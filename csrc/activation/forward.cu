@@ -5,13 +5,15 @@
 // One pass over h: the gate (and value) tiles stream through shared memory
 // (act_tiles.cuh); each thread computes its 8x8 block of a in registers and
 // hands it to the tile quantizer while the next tile's copies land.  A bf16
-// SwiGLU takes its sigmoid from a shared-memory table (sigmoid_table.cuh).
+// SwiGLU may take its sigmoid from a shared-memory table (sigmoid_table.cuh;
+// heuristics.cu decides per device).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "activation/act_math.cuh"
 #include "activation/act_tiles.cuh"
 #include "activation/activation.h"
+#include "activation/heuristics.h"
 #include "activation/sigmoid_table.cuh"
 #include "fp8_block/tile_quantize.cuh"
 
@@ -23,15 +25,16 @@ template <Kind K>
 constexpr int forward_inputs() { return is_glu(K) ? 2 : 1; }
 
 // Dynamic shared memory: the input stage, then the sigmoid table if any.
-template <typename IType, Kind K>
+template <typename IType, Kind K, bool kTable>
 constexpr int forward_smem_bytes() {
-  return forward_inputs<K>() * stage_tile_bytes<IType>() + (sigmoid_table::used_by<IType, K>() ? sigmoid_table::kBytes : 0);
+  return forward_inputs<K>() * stage_tile_bytes<IType>() + (kTable ? sigmoid_table::kBytes : 0);
 }
 
 // 2 CTAs per SM (16 warps): one 32-64 KB stage (+ the 31.7 KB sigmoid table)
 // each, at most 128 registers.
-template <typename IType, Kind K, bool kFp8>
+template <typename IType, Kind K, bool kFp8, bool kTable>
 __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs args) {
+  static_assert(!kTable || sigmoid_table::used_by<IType, K>(), "the table holds bf16 gates' sigmoid");
   extern __shared__ __align__(128) uint8_t stage_buf[];
   __shared__ fp8_block::Smem sm;
   constexpr int kIn = forward_inputs<K>();
@@ -40,7 +43,6 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs 
   const int64_t ld = is_glu(K) ? 2 * c.ffn : c.ffn;
   const IType* h = static_cast<const IType*>(args.h);
   RawVec8<IType> out[kStageRowsPerThread];
-  constexpr bool kTable = sigmoid_table::used_by<IType, K>();
   float* table = reinterpret_cast<float*>(stage_buf + kIn * kTileBytes);
   if constexpr (kTable) {
     sigmoid_table::fill(table);
@@ -86,7 +88,14 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs 
 template <typename IType, bool kFp8>
 cudaError_t launch_kind(const ForwardArgs& a, cudaStream_t stream) {
   return dispatch_kind(a.c.kind, [&]<Kind K>() {
-    return launch_tiles(forward_kernel<IType, K, kFp8>, forward_smem_bytes<IType, K>(), a.c, a, stream);
+    if constexpr (sigmoid_table::used_by<IType, K>()) {
+      if (use_sigmoid_table(a.c)) {
+        count_sigmoid_table_launch();
+        return launch_tiles(forward_kernel<IType, K, kFp8, true>, forward_smem_bytes<IType, K, true>(), a.c, a,
+                            stream);
+      }
+    }
+    return launch_tiles(forward_kernel<IType, K, kFp8, false>, forward_smem_bytes<IType, K, false>(), a.c, a, stream);
   });
 }
 

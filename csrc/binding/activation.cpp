@@ -3,6 +3,7 @@
 // checks what would be unsafe for a kernel (devices, dtypes, contiguity,
 // alignment, sizes) and launches.
 #include "activation/activation.h"
+#include "activation/heuristics.h"
 #include "binding/common.h"
 #include "binding/ops.h"
 
@@ -13,13 +14,16 @@ namespace {
 activation::Common common_args(const at::Tensor& h, int64_t kind, double alpha, double limit, int64_t ffn,
                                const c10::optional<at::Tensor>& probs,
                                const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors,
-                               int64_t max_row_tiles) {
+                               int64_t max_row_tiles, int64_t sigmoid_table) {
   check_cuda(h, "h");
   check_contiguous(h, "h");
   TORCH_CHECK(h.dim() == 2, "lpmoe: `h` must be 2-D");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0, "lpmoe: `h` must be 16-byte aligned");
   TORCH_CHECK(kind >= 0 && kind <= 4, "lpmoe: unknown activation kind ", kind);
+  TORCH_CHECK(sigmoid_table >= -1 && sigmoid_table <= 1, "lpmoe: `sigmoid_table` must be -1 (auto), 0 or 1, got ",
+              sigmoid_table);
   activation::Common c;
+  c.sigmoid_table = static_cast<activation::SigmoidTable>(sigmoid_table);
   c.kind = static_cast<activation::Kind>(kind);
   c.params.alpha = static_cast<float>(alpha);
   c.params.limit = static_cast<float>(limit);
@@ -88,9 +92,9 @@ void activation_forward(const at::Tensor& h, int64_t kind, double alpha, double 
                         int64_t num_tensors, int64_t max_row_tiles, const c10::optional<at::Tensor>& out,
                         const c10::optional<at::Tensor>& fp8_data, const c10::optional<at::Tensor>& fp8_scale,
                         const c10::optional<at::Tensor>& fp8_col_data, const c10::optional<at::Tensor>& fp8_col_scale,
-                        bool pow2_scales, double amax_epsilon) {
+                        bool pow2_scales, double amax_epsilon, int64_t sigmoid_table) {
   activation::ForwardArgs a;
-  a.c = common_args(h, kind, alpha, limit, ffn, probs, padded_row_offsets, num_tensors, max_row_tiles);
+  a.c = common_args(h, kind, alpha, limit, ffn, probs, padded_row_offsets, num_tensors, max_row_tiles, sigmoid_table);
   a.h = h.data_ptr();
   a.out = hp_output(out, h, ffn, "out");
   a.fp8 = fp8_output(h, ffn, fp8_data, fp8_scale, fp8_col_data, fp8_col_scale, pow2_scales, amax_epsilon, "a (FP8)");
@@ -105,9 +109,10 @@ void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind
                          const c10::optional<at::Tensor>& dh_data, const c10::optional<at::Tensor>& dh_scale,
                          const c10::optional<at::Tensor>& dh_col_data, const c10::optional<at::Tensor>& dh_col_scale,
                          const c10::optional<at::Tensor>& dbias_workspace,
-                         const c10::optional<at::Tensor>& probs_partials, bool pow2_scales, double amax_epsilon) {
+                         const c10::optional<at::Tensor>& probs_partials, bool pow2_scales, double amax_epsilon,
+                         int64_t sigmoid_table) {
   activation::BackwardArgs a;
-  a.c = common_args(h, kind, alpha, limit, ffn, probs, padded_row_offsets, num_tensors, max_row_tiles);
+  a.c = common_args(h, kind, alpha, limit, ffn, probs, padded_row_offsets, num_tensors, max_row_tiles, sigmoid_table);
   check_buffer(da, h, "da", h.element_size(), h.size(0) * ffn);
   TORCH_CHECK(da.scalar_type() == h.scalar_type() && da.dim() == 2 && da.size(1) == ffn,
               "lpmoe: `da` must be (rows, ", ffn, ") of h's dtype, got ", da.scalar_type(), " ", da.sizes());
@@ -126,6 +131,12 @@ void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind
   }
   c10::cuda::CUDAGuard guard(h.device());
   LPMOE_CHECK_LAUNCH(activation::launch_backward(a, current_stream()), "activation backward");
+}
+
+int64_t activation_sigmoid_table_launches() { return activation::sigmoid_table_launches(); }
+
+double activation_dram_bytes_per_sm_cycle(int64_t device_index) {
+  return activation::dram_bytes_per_sm_cycle(static_cast<int>(device_index));
 }
 
 void activation_probs_grad(const at::Tensor& partials, int64_t rows, int64_t blocks,

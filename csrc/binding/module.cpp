@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("activation_forward", &lpmoe::binding::activation_forward);
   m.def("activation_backward", &lpmoe::binding::activation_backward);
   m.def("activation_probs_grad", &lpmoe::binding::activation_probs_grad);
+  m.def("activation_sigmoid_table_launches", &lpmoe::binding::activation_sigmoid_table_launches);
+  m.def("activation_dram_bytes_per_sm_cycle", &lpmoe::binding::activation_dram_bytes_per_sm_cycle);
   m.def("permute_scatter", &lpmoe::binding::permute_scatter);
   m.def("permute_gather", &lpmoe::binding::permute_gather);
   m.def("router_grid_size", &lpmoe::binding::router_grid_size);

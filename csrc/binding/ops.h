@@ -68,7 +68,7 @@ void activation_forward(const at::Tensor& h, int64_t kind, double alpha, double 
                         int64_t num_tensors, int64_t max_row_tiles, const c10::optional<at::Tensor>& out,
                         const c10::optional<at::Tensor>& fp8_data, const c10::optional<at::Tensor>& fp8_scale,
                         const c10::optional<at::Tensor>& fp8_col_data, const c10::optional<at::Tensor>& fp8_col_scale,
-                        bool pow2_scales, double amax_epsilon);
+                        bool pow2_scales, double amax_epsilon, int64_t sigmoid_table);
 void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind, double alpha, double limit,
                          int64_t ffn, const c10::optional<at::Tensor>& probs,
                          const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors,
@@ -76,7 +76,11 @@ void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind
                          const c10::optional<at::Tensor>& dh_data, const c10::optional<at::Tensor>& dh_scale,
                          const c10::optional<at::Tensor>& dh_col_data, const c10::optional<at::Tensor>& dh_col_scale,
                          const c10::optional<at::Tensor>& dbias_workspace,
-                         const c10::optional<at::Tensor>& probs_partials, bool pow2_scales, double amax_epsilon);
+                         const c10::optional<at::Tensor>& probs_partials, bool pow2_scales, double amax_epsilon,
+                         int64_t sigmoid_table);
+// Sigmoid-table kernel launches so far, and the device figure that decides them.
+int64_t activation_sigmoid_table_launches();
+double activation_dram_bytes_per_sm_cycle(int64_t device_index);
 void activation_probs_grad(const at::Tensor& partials, int64_t rows, int64_t blocks,
                            const c10::optional<at::Tensor>& used_rows, const at::Tensor& out);
 

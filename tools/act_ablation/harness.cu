@@ -5,8 +5,11 @@
 // as a ratio to a device copy of the same bytes (same process) and a hash of
 // every output buffer, so two builds are compared for speed and bits:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -DNDEBUG --expt-relaxed-constexpr -prec-div=true -ftz=false \
-//        -I<csrc> harness.cu <csrc>/activation/forward.cu <csrc>/activation/backward.cu -o act
-//   ./act T F G [hp]      (tokens, ffn, members; hp: bf16 outputs instead of FP8)
+//        -I<csrc> harness.cu <csrc>/activation/*.cu -o act
+// (add -DLPMOE_ACT_HAS_TABLE_SWITCH for a tree with activation::SigmoidTable)
+//   ./act T F G [hp] [table|notable]   (tokens, ffn, members; hp: bf16 outputs
+//   instead of FP8; table / notable force the sigmoid table on / off, the
+//   default lets the device decide; a tree without the switch ignores them)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -52,7 +55,13 @@ template <typename F> static float median_ms(F fn, int iters = 20, int reps = 9)
 int main(int argc, char** argv) {
   const int64_t T = argc > 1 ? atoll(argv[1]) : 65536, F = argc > 2 ? atoll(argv[2]) : 2048;
   const int G = argc > 3 ? atoi(argv[3]) : 8;
-  const bool hp = argc > 4 && !strcmp(argv[4], "hp");
+  bool hp = false;
+  int table = -1;
+  for (int i = 4; i < argc; ++i) {
+    if (!strcmp(argv[i], "hp")) hp = true;
+    if (!strcmp(argv[i], "table")) table = 1;
+    if (!strcmp(argv[i], "notable")) table = 0;
+  }
   // uniform members (the last takes the remainder), prefix arrays on the host
   std::vector<int64_t> row(G + 1), p4(G + 1), p64(G + 1), p128(G + 1), p512(G + 1);
   auto ru = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
@@ -81,6 +90,11 @@ int main(int argc, char** argv) {
 
   activation::Common c;
   c.rows = T; c.ffn = F; c.probs = probs; c.group = gr; c.max_row_tiles = tiles;
+#ifdef LPMOE_ACT_HAS_TABLE_SWITCH
+  c.sigmoid_table = static_cast<activation::SigmoidTable>(table);
+#else
+  (void)table;
+#endif
   auto fp8_args = [&](int64_t cols, uint8_t*& d, float*& s, uint8_t*& cd, float*& cs, float*& ws) {
     fp8_block::QuantizeArgs q;
     q.rows = T; q.cols = cols; q.group = gr; q.max_row_tiles = tiles;

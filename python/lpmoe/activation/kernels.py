@@ -18,6 +18,13 @@ prove that no silent fallback happened):
 * ``reference_*``   CPU tensors, and fp32 on the GPU (the reference's torch
                     ops run there too, bit-exact).
 
+A bf16 SwiGLU kernel may take its sigmoid from a shared-memory table (same
+bits; csrc/activation/sigmoid_table.cuh): the kernels decide per device
+(csrc/activation/heuristics.cu: where the device's DRAM bandwidth per SM
+cycle makes them issue-bound, e.g. the H200, not the H100).
+``SIGMOID_TABLE`` forces it on (True) or off (False) for tests and A/B
+timing; ``sigmoid_table_launches()`` counts the table kernels launched.
+
 Graph-safe: nothing reads device values on the host.  The FP8 (grouped)
 launches visit member rows only: rows past sum(splits) (capacity tail) are
 never read and their FP8 outputs are untouched; a high-precision output of
@@ -38,6 +45,18 @@ from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.quantize import group_quantize, group_quantize_dbias
 from lpmoe.quantizers import Float8BlockQuantizer
+
+# None: the device decides (the kernels' heuristic); True / False: forced.
+SIGMOID_TABLE: Optional[bool] = None
+
+
+def _table_arg() -> int:
+    return -1 if SIGMOID_TABLE is None else int(bool(SIGMOID_TABLE))
+
+
+def sigmoid_table_launches() -> int:
+    """Sigmoid-table kernel launches since the process started (C++ counter)."""
+    return int(ext().activation_sigmoid_table_launches())
 from lpmoe.reference import activation as ref
 
 __all__ = ["forward", "backward", "ForwardResult", "BackwardResult", "CALLS"]
@@ -128,7 +147,7 @@ def forward_impl(h: torch.Tensor, spec: Activation, probs: Optional[torch.Tensor
     hp = torch.empty((rows, f), dtype=h.dtype, device=h.device) if write_hp else None
     pow2, eps = _quant_args(quantizer)
     ext().activation_forward(h, spec.kernel_kind, spec.alpha, spec.limit, f, _probs32(probs), qa.padded_row_offsets,
-                             qa.num_tensors, max_row_tiles(qa), hp, *_fp8_bufs(qa), pow2, eps)
+                             qa.num_tensors, max_row_tiles(qa), hp, *_fp8_bufs(qa), pow2, eps, _table_arg())
     return ForwardResult(hp, qa)
 
 
@@ -136,7 +155,7 @@ def _hp_forward(h, spec: Activation, probs, f: int) -> torch.Tensor:
     """High precision over every row (a single-member launch)."""
     out = torch.empty((h.shape[0], f), dtype=h.dtype, device=h.device)
     ext().activation_forward(h, spec.kernel_kind, spec.alpha, spec.limit, f, _probs32(probs), None, 1,
-                             -(-h.shape[0] // _TILE), out, None, None, None, None, True, 0.0)
+                             -(-h.shape[0] // _TILE), out, None, None, None, None, True, 0.0, _table_arg())
     return out
 
 
@@ -186,7 +205,7 @@ def backward_impl(da: torch.Tensor, h: torch.Tensor, spec: Activation, probs: Op
     pow2, eps = _quant_args(dh_quantizer)
     ext().activation_backward(da, h, spec.kernel_kind, spec.alpha, spec.limit, f, _probs32(probs),
                               qdh.padded_row_offsets, qdh.num_tensors, tiles, dh_out, *_fp8_bufs(qdh), ws, partials,
-                              pow2, eps)
+                              pow2, eps, _table_arg())
     res = BackwardResult(dh=dh_out, dh_quantized=qdh)
     if dbias:
         res.dbias = torch.empty((qdh.num_tensors, w), dtype=h.dtype, device=dev)
@@ -209,7 +228,7 @@ def _hp_backward(da, h, spec: Activation, probs, f: int, want_dprobs: bool):
     nb = -(-f // _TILE)
     partials = torch.empty((rows, nb), dtype=torch.float32, device=dev) if want_dprobs else None
     ext().activation_backward(da, h, spec.kernel_kind, spec.alpha, spec.limit, f, _probs32(probs), None, 1,
-                              -(-rows // _TILE), dh, None, None, None, None, None, partials, True, 0.0)
+                              -(-rows // _TILE), dh, None, None, None, None, None, partials, True, 0.0, _table_arg())
     dp = None
     if want_dprobs:
         dp = torch.empty(rows, dtype=torch.float32, device=dev)
