@@ -39,7 +39,9 @@ struct Params {
 
 // Whether a bf16 SwiGLU kernel takes its sigmoid from the shared-memory table
 // (sigmoid_table.cuh).  kAuto: where the device makes these kernels
-// issue-bound (heuristics.cu); kOff / kOn force it (tests, A/B timing).
+// issue-bound (heuristics.cu); kOff / kOn force it (tests, A/B timing).  Only
+// the bf16 SwiGLU forward and FP8 backward have a table variant; every other
+// launch ignores the setting.
 enum class SigmoidTable : int { kAuto = -1, kOff = 0, kOn = 1 };
 
 struct Common {
@@ -77,8 +79,9 @@ struct BackwardArgs {
 cudaError_t launch_forward(const ForwardArgs& args, cudaStream_t stream);
 cudaError_t launch_backward(const BackwardArgs& args, cudaStream_t stream);
 
-// Launches of a sigmoid-table kernel since the process started (so tests can
-// prove which variant ran).
+// Sigmoid-table kernel launches requested since the process started, counted
+// on the host when the launch is issued (so tests can prove which variant
+// ran; a CUDA graph counts its capture, not its replays).
 int64_t sigmoid_table_launches();
 
 struct ProbsGradArgs {

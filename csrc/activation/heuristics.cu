@@ -10,7 +10,10 @@
 //        attributes below): forward 270 -> 220 us, backward 511 -> 482 us;
 //   H100 SXM (3.35 TB/s: ~12.8 B per SM-cycle on paper): forward
 //        297 -> 314 us, backward 574 -> 587 us (0.91 / 0.78 of copy before).
-// The threshold sits between the two.
+// The threshold sits between the two.  Not covered: a MIG instance (its SM
+// count is the slice's; whether the memory attributes are is unverified) and
+// parts near the threshold (H100 NVL, GH200) were never measured here;
+// lpmoe.activation.kernels.SIGMOID_TABLE forces either variant.
 #include <atomic>
 
 #include <cuda_runtime_api.h>
@@ -22,10 +25,13 @@ namespace activation {
 namespace {
 
 constexpr double kTableFromBytesPerSmCycle = 16.0;
-constexpr int kMaxDevices = 64;
+constexpr int kMaxCachedDevices = 64;
 
-std::atomic<int> g_pays[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes (a race only recomputes)
+enum Decision : int { kUnknown = 0, kNo = 1, kYes = 2 };
+std::atomic<int> g_decision[kMaxCachedDevices] = {};  // per device; a race only recomputes
 std::atomic<int64_t> g_table_launches{0};
+
+bool table_pays(int device) { return dram_bytes_per_sm_cycle(device) >= kTableFromBytesPerSmCycle; }
 
 }  // namespace
 
@@ -46,16 +52,17 @@ double dram_bytes_per_sm_cycle(int device) {
 bool use_sigmoid_table(const Common& c) {
   if (c.sigmoid_table != SigmoidTable::kAuto) return c.sigmoid_table == SigmoidTable::kOn;
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();  // clear the failed query's error; the launch that follows reports its own
     return false;
   }
-  int known = g_pays[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    known = dram_bytes_per_sm_cycle(device) >= kTableFromBytesPerSmCycle ? 2 : 1;
-    g_pays[device].store(known, std::memory_order_relaxed);
+  if (device < 0 || device >= kMaxCachedDevices) return table_pays(device);
+  int known = g_decision[device].load(std::memory_order_relaxed);
+  if (known == kUnknown) {
+    known = table_pays(device) ? kYes : kNo;
+    g_decision[device].store(known, std::memory_order_relaxed);
   }
-  return known == 2;
+  return known == kYes;
 }
 
 void count_sigmoid_table_launch() { g_table_launches.fetch_add(1, std::memory_order_relaxed); }

@@ -136,6 +136,9 @@ void activation_backward(const at::Tensor& da, const at::Tensor& h, int64_t kind
 int64_t activation_sigmoid_table_launches() { return activation::sigmoid_table_launches(); }
 
 double activation_dram_bytes_per_sm_cycle(int64_t device_index) {
+  int count = 0;
+  TORCH_CHECK(cudaGetDeviceCount(&count) == cudaSuccess && device_index >= 0 && device_index < count,
+              "lpmoe: `device_index` must name a CUDA device (0..", count - 1, "), got ", device_index);
   return activation::dram_bytes_per_sm_cycle(static_cast<int>(device_index));
 }
 

@@ -45,8 +45,14 @@ from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.quantize import group_quantize, group_quantize_dbias
 from lpmoe.quantizers import Float8BlockQuantizer
+from lpmoe.reference import activation as ref
 
-# None: the device decides (the kernels' heuristic); True / False: forced.
+__all__ = ["forward", "backward", "ForwardResult", "BackwardResult", "CALLS", "SIGMOID_TABLE",
+           "sigmoid_table_launches"]
+
+# None: the device decides (csrc/activation/heuristics.cu); True / False:
+# forced.  Only the bf16 SwiGLU forward and FP8 backward have a table
+# variant; other launches ignore it.
 SIGMOID_TABLE: Optional[bool] = None
 
 
@@ -55,11 +61,11 @@ def _table_arg() -> int:
 
 
 def sigmoid_table_launches() -> int:
-    """Sigmoid-table kernel launches since the process started (C++ counter)."""
+    """Sigmoid-table kernel launches since the process started (a C++
+    counter, counted when a launch is issued: a CUDA graph counts its
+    capture, not its replays)."""
     return int(ext().activation_sigmoid_table_launches())
-from lpmoe.reference import activation as ref
 
-__all__ = ["forward", "backward", "ForwardResult", "BackwardResult", "CALLS"]
 
 CALLS = {"fused_forward": 0, "fused_backward": 0, "split_forward": 0, "split_backward": 0,
          "reference_forward": 0, "reference_backward": 0}
