@@ -1,8 +1,8 @@
 """The sigmoid table of the bf16 SwiGLU kernels (csrc/activation/sigmoid_table.cuh,
 heuristics.cu): its band against the spec on every bf16 value (CPU), both
-kernel variants bit-exact on grouped cases, partial column tiles and graph
-replay (GPU).  The every-16-bit-input test runs both variants too
-(tests/test_activation.py)."""
+kernel variants bit-exact on grouped cases and partial column tiles (GPU).
+The every-16-bit-input and the graph-replay tests of tests/test_activation.py
+run both variants too."""
 import re
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lpmoe
-from conftest import capture_graph, requires_cuda
+from conftest import requires_cuda
 from lpmoe.activation import Activation, kernels
 from lpmoe.quantizers import Float8BlockQuantizer
 from lpmoe.reference import activation as R
@@ -100,37 +100,3 @@ def test_gpu_sigmoid_table_partial_column_tile(table, monkeypatch):
     ra = R.activation_forward(h, "swiglu", p)
     assert same_bits(hp, ra) == 0
     _assert_same_fp8(_ref_quantized(ra, q, sp)[0], fw.quantized)
-
-
-@requires_cuda
-def test_gpu_sigmoid_table_forced_on_replays_new_routing(monkeypatch):
-    """The table variants captured in a CUDA graph replay new routing with
-    the reference's bits (the table is filled by every launch, so a replay
-    needs no host state)."""
-    monkeypatch.setattr(kernels, "SIGMOID_TABLE", True)
-    g, f, rows = 4, 256, 1024
-    spec = Activation("swiglu")
-    q = Float8BlockQuantizer(E4M3, block_dim=1)
-    h = torch.empty(rows, 2 * f, dtype=torch.bfloat16, device="cuda")
-    da = torch.empty(rows, f, dtype=torch.bfloat16, device="cuda")
-    p = torch.empty(rows, device="cuda")
-    sp = torch.zeros(g, dtype=torch.int64, device="cuda")
-
-    def step():
-        fw = kernels.forward(h, spec, p, sp, write_hp=False, quantizer=q)
-        bw = kernels.backward(da, h, spec, p, sp, dh_quantizer=q)
-        return fw.quantized, bw.dh_quantized
-
-    graph, (qa, qdh) = capture_graph(step)
-    for trial in range(2):
-        splits = torch.tensor([100 + 50 * trial, 0, 400, 300 - 50 * trial])
-        sp.copy_(splits)
-        hc, dac, pc = rand_h(rows, 2 * f, seed=trial), rand_h(rows, f, seed=trial + 7), torch.rand(rows)
-        h.copy_(hc)
-        da.copy_(dac)
-        p.copy_(pc)
-        graph.replay()
-        torch.cuda.synchronize()
-        _assert_same_fp8(_ref_quantized(R.activation_forward(hc, "swiglu", pc), q, splits)[0], qa)
-        rdh, _, _ = R.activation_backward(dac, hc, "swiglu", pc)
-        _assert_same_fp8(_ref_quantized(rdh, q, splits)[0], qdh)
