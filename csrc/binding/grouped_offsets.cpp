@@ -17,12 +17,10 @@ void check_split_tensor(const at::Tensor& s, int64_t num_splits, const char* nam
 }
 }  // namespace
 
-std::vector<at::Tensor> splits_to_offsets(const c10::optional<at::Tensor>& splits, int64_t num_splits,
-                                          int64_t uniform_split, const std::vector<int64_t>& strides,
-                                          const std::vector<int64_t>& aligns,
-                                          const std::vector<bool>& times_second,
-                                          const c10::optional<at::Tensor>& second, int64_t capacity_rows,
-                                          int64_t device_index) {
+at::Tensor splits_to_offsets(const c10::optional<at::Tensor>& splits, int64_t num_splits, int64_t uniform_split,
+                             const std::vector<int64_t>& strides, const std::vector<int64_t>& aligns,
+                             const std::vector<bool>& times_second, const c10::optional<at::Tensor>& second,
+                             int64_t capacity_rows, int64_t device_index) {
   const int64_t n_out = static_cast<int64_t>(strides.size());
   TORCH_CHECK(n_out == static_cast<int64_t>(aligns.size()) &&
                   n_out == static_cast<int64_t>(times_second.size()),
@@ -62,19 +60,16 @@ std::vector<at::Tensor> splits_to_offsets(const c10::optional<at::Tensor>& split
   args.second_is_int64 = second.has_value() ? second->scalar_type() == at::kLong : true;
   args.num_splits = static_cast<int>(num_splits);
   args.num_outputs = static_cast<int>(n_out);
-  std::vector<at::Tensor> result;
-  result.reserve(n_out + 2);
-  result.push_back(bulk);
+  // The caller cuts the views it needs (making them here and converting
+  // them to Python cost more host time than the launch).
   int64_t* base = bulk.data_ptr<int64_t>();
   for (int64_t j = 0; j < n_out; ++j) {
     args.outputs[j] = {base + j * per_out, strides[j], aligns[j], static_cast<bool>(times_second[j])};
-    result.push_back(bulk.narrow(0, j * per_out, num_splits + 1));
   }
   args.status = base + per_out * n_out;
   args.capacity_rows = capacity_rows;
-  result.push_back(bulk.narrow(0, per_out * n_out, 1));
   LPMOE_CHECK_LAUNCH(grouped::launch_splits_to_offsets(args, current_stream()), "splits_to_offsets");
-  return result;
+  return bulk;
 }
 
 }  // namespace binding

@@ -11,13 +11,13 @@
 namespace lpmoe {
 namespace binding {
 
-// Returns [bulk, out_0, ..., out_{n-1}, status]; see grouped/splits_to_offsets.h.
-std::vector<at::Tensor> splits_to_offsets(const c10::optional<at::Tensor>& splits, int64_t num_splits,
-                                          int64_t uniform_split, const std::vector<int64_t>& strides,
-                                          const std::vector<int64_t>& aligns,
-                                          const std::vector<bool>& times_second,
-                                          const c10::optional<at::Tensor>& second, int64_t capacity_rows,
-                                          int64_t device_index);
+// Returns the one int64 buffer holding every output (16-byte aligned, at a
+// pitch of round_up(num_splits + 1, 2)) and then the status word; see
+// grouped/splits_to_offsets.h.
+at::Tensor splits_to_offsets(const c10::optional<at::Tensor>& splits, int64_t num_splits, int64_t uniform_split,
+                             const std::vector<int64_t>& strides, const std::vector<int64_t>& aligns,
+                             const std::vector<bool>& times_second, const c10::optional<at::Tensor>& second,
+                             int64_t capacity_rows, int64_t device_index);
 
 // FP8 block scaling (csrc/fp8_block); see lpmoe/fp8_block_ops.py.
 void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& padded_row_offsets,

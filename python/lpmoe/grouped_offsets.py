@@ -24,7 +24,8 @@ from lpmoe._async_inputs import ready
 from lpmoe._ext import ext
 from lpmoe.library.routing import OPS, tracing
 
-__all__ = ["OffsetsResult", "splits_to_offsets", "STATUS_NEGATIVE_SPLIT", "STATUS_ABOVE_CAPACITY"]
+__all__ = ["OffsetsResult", "splits_to_offsets", "offsets_bulk_of", "offsets_pitch", "STATUS_NEGATIVE_SPLIT",
+           "STATUS_ABOVE_CAPACITY"]
 
 STATUS_NEGATIVE_SPLIT = 1
 STATUS_ABOVE_CAPACITY = 2
@@ -83,6 +84,31 @@ def splits_to_offsets(
             sized for that many rows.
         device: device for the uniform case (default: CUDA current device).
     """
+    bulk = offsets_bulk_of(splits, strides, aligns, num_splits=num_splits, uniform_split=uniform_split,
+                           second=second, times_second=times_second, capacity_rows=capacity_rows, device=device)
+    return _views(bulk, _splits_count(splits, num_splits), len(strides))
+
+
+def _splits_count(splits, num_splits) -> int:
+    return int(num_splits) if splits is None else splits.numel()
+
+
+def offsets_bulk_of(
+    splits: Optional[torch.Tensor],
+    strides: Sequence[int] = (1,),
+    aligns: Optional[Sequence[int]] = None,
+    *,
+    num_splits: Optional[int] = None,
+    uniform_split: Optional[int] = None,
+    second: Optional[torch.Tensor] = None,
+    times_second: Optional[Sequence[bool]] = None,
+    capacity_rows: Optional[int] = None,
+    device=None,
+) -> torch.Tensor:
+    """:func:`splits_to_offsets`'s arguments checked and its one buffer
+    computed (``bulk_numel`` int64 elements, outputs at ``offsets_pitch``,
+    then the status), without cutting the views: callers that need only a
+    few of them (GroupedTensor) cut those themselves."""
     splits, second = ready(splits), ready(second)
     strides = [int(s) for s in strides]
     aligns = [1] * len(strides) if aligns is None else [int(a) for a in aligns]
@@ -119,22 +145,23 @@ def splits_to_offsets(
     else:
         bulk = offsets_bulk(splits, n, int(uniform_split or 0), strides, aligns, times_second, second,
                             -1 if capacity_rows is None else _sizes.size(capacity_rows), dev)
-    return _views(bulk, n, len(strides))
+    return bulk
 
 
 def bulk_numel(num_splits: int, num_outputs: int) -> int:
     """Elements of the one int64 buffer holding every output: each output
     padded to an even count (16-byte aligned views), then a 2-slot status
     block (the layout csrc/binding/grouped_offsets.cpp allocates)."""
-    return _pitch(num_splits) * num_outputs + 2
+    return offsets_pitch(num_splits) * num_outputs + 2
 
 
-def _pitch(num_splits: int) -> int:
+def offsets_pitch(num_splits: int) -> int:
+    """Elements between consecutive outputs in the bulk buffer."""
     return (num_splits + 2) // 2 * 2
 
 
 def _views(bulk: torch.Tensor, n: int, num_outputs: int) -> OffsetsResult:
-    pitch = _pitch(n)
+    pitch = offsets_pitch(n)
     outs = [bulk.narrow(0, j * pitch, n + 1) for j in range(num_outputs)]
     return OffsetsResult(offsets=outs, status=bulk.narrow(0, pitch * num_outputs, 1), bulk=bulk, pitch=pitch)
 
@@ -145,13 +172,12 @@ def offsets_bulk(splits, n: int, uniform_split: int, strides: List[int], aligns:
     of :func:`bulk_numel` elements, on ``device``.  CUDA: one launch; CPU:
     the same arithmetic with torch ops, written in the same layout."""
     if device.type == "cuda":
-        res = ext().splits_to_offsets(
+        return ext().splits_to_offsets(
             None if splits is None else splits.contiguous(), n, uniform_split, strides, aligns, times_second,
             None if second is None else second.contiguous(), capacity_rows,
             device.index if device.index is not None else torch.cuda.current_device())
-        return res[0]
     bulk = torch.zeros(bulk_numel(n, len(strides)), dtype=torch.int64, device=device)
-    pitch = _pitch(n)
+    pitch = offsets_pitch(n)
     if splits is None:
         s = torch.full((n,), uniform_split, dtype=torch.int64, device=device)
     else:
