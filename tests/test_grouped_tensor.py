@@ -293,3 +293,41 @@ def test_fp8_quantize_output_is_built_trusted_gpu(monkeypatch):
         b = lpmoe.group_dequantize(ref.direction_view(f == "columnwise_data"))
         assert torch.equal(a.rowwise_data[:300 * 256], b.rowwise_data[:300 * 256])
 
+
+def test_direction_view_can_keep_the_other_scales():
+    """A transposed-only view of FP8 128x128 weights that keeps the rowwise
+    scales (what the FP8 backward saves: its dgrad GEMM reads them) holds no
+    rowwise data, and the GEMM's weight operand takes those scales as they
+    are instead of rebuilding them from the columnwise ones."""
+    import lpmoe
+    from lpmoe.gemm.operands import parse_operands
+    from lpmoe.gemm.weight_operands import fp8_weight_operand
+    w = torch.randn(3 * 256, 384, dtype=torch.bfloat16)
+    g = lpmoe.group_quantize(w, Float8BlockQuantizer(block_dim=2), num_tensors=3)
+    v = g.direction_view(columnwise=True, keep_other_scales=True)
+    assert v.rowwise_data is None and v.scale_inv is g.scale_inv
+    assert v.columnwise_data is g.columnwise_data and v.columnwise_scale_inv is g.columnwise_scale_inv
+    plain = g.direction_view(columnwise=True)
+    dy = lpmoe.group_quantize(torch.randn(40, 256, dtype=torch.bfloat16), Float8BlockQuantizer(block_dim=1),
+                              num_tensors=3, first_dims=torch.tensor([10, 0, 30]))
+    kept = fp8_weight_operand(parse_operands(dy, v, "dgrad"), "rowwise")
+    rebuilt = fp8_weight_operand(parse_operands(dy, plain, "dgrad"), "rowwise")
+    assert kept[2] is g.scale_inv and rebuilt[2] is not g.scale_inv
+    assert kept[3] == rebuilt[3] and torch.equal(kept[2], rebuilt[2])  # the same numbers either way
+
+
+def test_fp8_backward_saves_weights_with_their_rowwise_scales():
+    from lpmoe.functional.weights import WeightSource
+    from lpmoe.policy import Needs, Tokens, policy_for
+    from lpmoe.recipe import Float8BlockScaling
+    pol = policy_for(Float8BlockScaling())
+    x = torch.randn(20, 256, dtype=torch.bfloat16)
+    ws = WeightSource(torch.randn(2, 128, 256, dtype=torch.bfloat16), None, None, True)
+    fw = pol.forward(Tokens(hp=x), ws, _Splits(torch.tensor([5, 15])), Needs(dgrad=True, wgrad=True, dbias=False))
+    assert fw.saved_w.rowwise_data is None and fw.saved_w.scale_inv is fw.w.scale_inv
+    assert fw.saved_w.columnwise_data is fw.w.columnwise_data
+
+
+class _Splits:
+    def __init__(self, device_splits):
+        self.device, self.num = device_splits, device_splits.numel()

@@ -451,10 +451,14 @@ class GroupedTensor:
         return cls(num_tensors=num_tensors, logical_shape=(rows, k), dtype=dtype, quantizer=quantizer,
                    first_dims=first_dims, with_gemm_swizzled_scales=swz, **bufs)
 
-    def direction_view(self, columnwise: bool) -> "GroupedTensor":
+    def direction_view(self, columnwise: bool, keep_other_scales: bool = False) -> "GroupedTensor":
         """The same quantized group holding only its rowwise or only its
         columnwise copy (shared buffers and metadata, no copy, no launch):
-        what consumers pass on when they need exactly one direction."""
+        what consumers pass on when they need exactly one direction.
+        ``keep_other_scales`` keeps the other copy's scale buffer too (FP8
+        128x128 weights: the dgrad GEMM reads the transposed data with the
+        scales in the rowwise layout, which it would otherwise rebuild from
+        the columnwise ones at every call; a few KB per layer)."""
         if not self.is_quantized:
             raise TypeError("direction_view needs a quantized GroupedTensor")
         have = self.columnwise_data if columnwise else self.rowwise_data
@@ -463,6 +467,9 @@ class GroupedTensor:
         bufs = ({"columnwise_data": self.columnwise_data, "columnwise_scale_inv": self.columnwise_scale_inv,
                  "columnwise_amax": self.columnwise_amax} if columnwise else
                 {"rowwise_data": self.rowwise_data, "scale_inv": self.scale_inv})
+        if keep_other_scales:
+            other = "scale_inv" if columnwise else "columnwise_scale_inv"
+            bufs[other] = getattr(self, other)
         # this group's buffers and metadata were validated when it was made:
         # the view is rebuilt without the constructor's checks (~30 us of host
         # time each; a layer step takes several views)

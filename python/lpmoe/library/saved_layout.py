@@ -46,8 +46,9 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "stage_slots", "LAYOUTS", "CA
 #: (3: layout keys without the token count; a cached backward with an old
 #: key raised KeyError in LAYOUTS; 4: the backward ops take the fused
 #: weights, fuse_wgrad_accumulation under compile; 5: the MLP backward runs
-#: as two ops, fc2 + activation, then fc1).
-FORMAT = 5
+#: as two ops, fc2 + activation, then fc1; 6: a saved FP8 weight keeps its
+#: rowwise scales beside the transposed copy).
+FORMAT = 6
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}

@@ -50,7 +50,8 @@ class Fp8Block(_Fp8Forward):
         # for, so micro-batches with and without dgrad share one cache.
         qw = self._quantized_w(weights, columnwise=weights.grad_enabled)
         saved_x = qx.direction_view(columnwise=True) if need.wgrad and qx.columnwise_data is not None else None
-        return Forward(x=qx, w=qw, saved_x=saved_x, saved_w=qw.direction_view(columnwise=True) if need.dgrad else None)
+        saved_w = qw.direction_view(columnwise=True, keep_other_scales=True) if need.dgrad else None
+        return Forward(x=qx, w=qw, saved_x=saved_x, saved_w=saved_w)
 
     def grad(self, dy, splits, need: Needs) -> Grad:
         if not (need.dgrad or need.wgrad):
