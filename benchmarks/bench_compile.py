@@ -13,7 +13,8 @@ TransformerEngine's default) and stacked (``single_grouped_parameter=True``:
 one (G, N, K) weight per layer), interleaved in the same rounds.
 
 Shapes: a launch-bound one (4k routed tokens, 64 experts, H=2048, F=768)
-and a large one (64k tokens, 8 experts, DeepSeek-V3 H=7168, F=2048), bf16
+and a large one (64k tokens, 8 experts, DeepSeek-V3 H=7168, F=2048; not with
+--quick), bf16
 and FP8 block scaling; plus a MoE block (router softmax/top-8, token sort,
 GroupedMLP, weighted un-sort) at 4k tokens.  Step time: CUDA events around
 forward+backward, median of --iters after warm-up.  Ratios: "eager/mode"
@@ -134,7 +135,8 @@ def main():
     out = []
     fp8 = Float8BlockScaling()
     for recipe, rname in ((None, "bf16"), (fp8, "fp8")):
-        for tokens, experts, hidden, ffn in ((4096, 64, 2048, 768), (65536, 8, 7168, 2048)):
+        shapes = ((4096, 64, 2048, 768),) if args.quick else ((4096, 64, 2048, 768), (65536, 8, 7168, 2048))
+        for tokens, experts, hidden, ffn in shapes:
             torch._dynamo.reset()
 
             def mlp(stacked, e=experts, h=hidden, f=ffn):

@@ -47,7 +47,8 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "stage_slots", "LAYOUTS", "CA
 #: key raised KeyError in LAYOUTS; 4: the backward ops take the fused
 #: weights, fuse_wgrad_accumulation under compile; 5: the MLP backward runs
 #: as two ops, fc2 + activation, then fc1; 6: a saved FP8 weight keeps its
-#: rowwise scales beside the transposed copy).
+#: rowwise scales beside the transposed copy, and token-row groups of
+#: another width carry derived element offsets instead of views).
 FORMAT = 6
 
 #: layout key -> layout (a tuple of entries, see flatten)
