@@ -201,6 +201,10 @@ def test_sharing_offsets_scope(monkeypatch):
         c, d = GroupedTensor.from_dense(x, first_dims=dims), GroupedTensor.from_dense(y, first_dims=dims)
         # another width: the same row offsets, its element offsets derived from them (no offsets launch)
         e = GroupedTensor.from_dense(torch.randn(10, 6), first_dims=dims)
+        e2 = GroupedTensor.from_dense(torch.randn(10, 6), first_dims=dims)
+        mine = torch.tensor([0, 21, 21, 56])  # caller-given element offsets are kept as given
+        given = GroupedTensor(num_tensors=3, logical_shape=(10, 7), dtype=torch.float32,
+                              rowwise_data=torch.randn(70), first_dims=dims, tensor_offsets=mine)
         f = GroupedTensor.from_dense(x, first_dims=dims.clone())  # other dims object: not assumed equal
         h = GroupedTensor.from_dense(torch.randn(9, 4), first_dims=dims)  # other rows (capacity): its own
         with sharing_offsets():  # an inner scope starts empty
@@ -214,6 +218,8 @@ def test_sharing_offsets_scope(monkeypatch):
     assert torch.equal(c.tensor_offsets, a.tensor_offsets) and torch.equal(c.padded_row_offsets, a.padded_row_offsets)
     assert torch.equal(e.tensor_offsets, torch.tensor([0, 18, 18, 48]))
     assert e.tensor_offsets.dtype == torch.int64 and e.tensor_offsets.is_contiguous()
+    assert e2.tensor_offsets is e.tensor_offsets  # derived once per width in the scope
+    assert given.tensor_offsets is mine and given.padded_row_offsets is c.padded_row_offsets
     GroupedTensor.from_dense(x, first_dims=dims)
     assert len(calls) == 7  # the scope is gone
 
@@ -232,7 +238,7 @@ def test_mlp_call_shares_offsets(monkeypatch):
     assert calls == [(20, 32)]
     calls.clear()
     y.sum().backward()
-    assert len(calls) == 1 and calls[0][0] == 20
+    assert calls == [(20, 32)]  # dy; a's transposed width derives
 
 
 def _count_inits(monkeypatch):
@@ -331,3 +337,28 @@ def test_fp8_backward_saves_weights_with_their_rowwise_scales():
 class _Splits:
     def __init__(self, device_splits):
         self.device, self.num = device_splits, device_splits.numel()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_element_offsets_are_row_offsets_times_width(seed):
+    """What sharing row offsets across widths rests on: for token-row groups
+    the kernel's element offsets equal its align-1 row offsets times the
+    width, capacity truncation and negative (inconsistent) splits included,
+    and the status does not depend on the width.  (The CPU arithmetic is the
+    kernel's: tests/test_grouped_offsets.py compares them on the GPU.)"""
+    from lpmoe.grouped_layout import PADDED_ROW_ALIGNS
+    from lpmoe.grouped_offsets import offsets_bulk, offsets_pitch
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 9, (1,), generator=g))
+    splits = torch.randint(-3, 40, (n,), generator=g)
+    rows = int(torch.randint(0, 120, (1,), generator=g))
+    pitch = offsets_pitch(n)
+    aligns = [1] + list(PADDED_ROW_ALIGNS)
+    results = {}
+    for width in (1, 7, 256):
+        bulk = offsets_bulk(splits, n, 0, [width] + [1] * len(PADDED_ROW_ALIGNS), aligns, [False] * len(aligns),
+                            None, rows, torch.device("cpu"))
+        elements, row1 = bulk[:n + 1], bulk[pitch:pitch + n + 1]
+        assert torch.equal(elements, row1 * width)
+        results[width] = (bulk[pitch:pitch * len(aligns)], bulk[pitch * len(aligns)])
+    assert all(torch.equal(r[0], results[1][0]) and int(r[1]) == int(results[1][1]) for r in results.values())

@@ -46,14 +46,19 @@ _TENSOR_FIELDS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_sc
 #: offsets memos of the active sharing_offsets scopes (innermost last)
 _OFFSET_SCOPES: List[dict] = []
 
+# derived element offsets are the align-1 row offsets times the width
+_ALIGN_ONE = PADDED_ROW_ALIGNS.index(1)
+
 
 @contextlib.contextmanager
 def sharing_offsets():
     """Inside this scope, groups made with the same dims tensor (the same
-    object) and the same logical shape share one offsets computation.  A
-    layer call builds several groups over one routing (x, the activation,
-    the gradients, each weight twice); at launch-bound sizes each launch
-    costs more host time than its kernel.  Scoped to one call, so the dims
+    object) and the same logical shape share one offsets computation, and
+    token-row groups of another width over the same dims and rows share its
+    row offsets (their element offsets derived, see
+    GroupedTensor._compute_offsets).  A layer call builds several groups over
+    one routing (x, the activation, the gradients, each weight twice); at
+    launch-bound sizes each launch costs more host time than its kernel.  Scoped to one call, so the dims
     cannot change in between and a CUDA-graph capture of the call records
     every offsets launch it reads (new routing per replay stays correct);
     the same objects are shared on fake tensors, so traced and real saved
@@ -195,7 +200,7 @@ class GroupedTensor:
             # Caller-provided tensor_offsets are kept as given; the padded row
             # prefix sums still come from the dims (same single launch).
             given = self.tensor_offsets
-            self._compute_offsets()
+            self._compute_offsets(element_offsets=given is None)
             if given is not None:
                 self.tensor_offsets = given
 
@@ -277,33 +282,42 @@ class GroupedTensor:
             raise ValueError("sum of first_dims*last_dims exceeds the buffer's elements")
 
     # ---------------------------------------------------------------- offsets
-    def _compute_offsets(self) -> None:
+    def _compute_offsets(self, element_offsets: bool = True) -> None:
         """Fill tensor_offsets (+ padded_row_offsets) in one device launch,
         or take them from a group made earlier over the same dims in the same
-        :func:`sharing_offsets` scope.
+        :func:`sharing_offsets` scope (``element_offsets=False``: the caller
+        brings its own tensor_offsets).
 
-        A VARYING_FIRST group of another width over the same dims shares the
-        row offsets and takes its element offsets as the align-1 row offsets
-        times its width: a small elementwise launch instead of the offsets
-        kernel's (~40 us of host time on the H100 machine)."""
+        A VARYING_FIRST group of another width over the same dims and rows
+        shares the row offsets and status, and takes its element offsets as
+        the align-1 row offsets times its width (capacity truncation and the
+        status depend on the rows alone): a small elementwise launch, once per
+        width in the scope, instead of the offsets kernel (~40 us of host time
+        on the H100 machine).  So the first width of a scope holds views of
+        the kernel's buffer and later widths hold derived tensors; a traced
+        call runs the same code in the same order, so its saved layout is
+        the real one's."""
         n = self.num_tensors
         rows, cols = self.logical_shape
         kind = self.shape_kind
         dev = self.device
-        # token-row groups of other widths share the row offsets
         by_rows = kind is ShapeKind.VARYING_FIRST
         memo = _OFFSET_SCOPES[-1] if _OFFSET_SCOPES else None
         key = (kind, n, _sizes.key(rows), None if by_rows else _sizes.key(cols), id(self.first_dims),
                id(self.last_dims), dev)
         hit = memo.get(key) if memo is not None else None
         if hit is not None:
-            offsets, self.padded_row_offsets, self.offsets_status, width = hit[:4]
-            self.tensor_offsets = offsets if width == _sizes.key(cols) else self.padded_row_offsets[0] * cols
+            self.padded_row_offsets, self.offsets_status, by_width = hit[:3]
+            width = _sizes.key(cols)
+            offsets = by_width.get(width)
+            if offsets is None and element_offsets:
+                offsets = by_width[width] = self.padded_row_offsets[_ALIGN_ONE] * cols
+            self.tensor_offsets = offsets
             return
         self._launch_offsets(n, rows, cols, kind, dev)
         if memo is not None:
             # the dims stay referenced by the memo, so their ids stay unique in the scope
-            memo[key] = (self.tensor_offsets, self.padded_row_offsets, self.offsets_status, _sizes.key(cols),
+            memo[key] = (self.padded_row_offsets, self.offsets_status, {_sizes.key(cols): self.tensor_offsets},
                          self.first_dims, self.last_dims)
 
     def _launch_offsets(self, n: int, rows: int, cols: int, kind: ShapeKind, dev: torch.device) -> None:
