@@ -9,6 +9,12 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lpmoe CUDA kernels (see python/lpmoe for the documented API)";
+  // Bumped whenever a binding's arguments or results change, together with
+  // BINDING_VERSION in python/lpmoe/_ext.py, which refuses an extension
+  // built from other sources with an error that says to rebuild (instead of
+  // a wrong-type failure deep in a layer).  2: splits_to_offsets returns the
+  // bulk buffer alone.
+  m.attr("BINDING_VERSION") = 2;
   m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
         py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
         py::arg("second"), py::arg("capacity_rows"),

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import functools
 
+#: the binding interface this package calls (csrc/binding/module.cpp sets
+#: the extension's own; they change together)
+BINDING_VERSION = 2
+
 
 @functools.lru_cache(maxsize=None)
 def ext():
@@ -17,6 +21,13 @@ def ext():
             "lpmoe's CUDA extension (lpmoe._C) is not built. Install with "
             "`pip install --no-build-isolation .` (see README)."
         ) from exc
+    built = getattr(_C, "BINDING_VERSION", 1)
+    if built != BINDING_VERSION:
+        raise RuntimeError(
+            f"lpmoe's CUDA extension (lpmoe._C at {getattr(_C, '__file__', '?')}) was built from other sources: "
+            f"binding version {built}, this package calls version {BINDING_VERSION}. Rebuild it "
+            "(`pip install --no-build-isolation .`, or `python setup.py build_ext --inplace` in a checkout)."
+        )
     return _C
 
 
