@@ -20,6 +20,7 @@ import torch
 
 import lpmoe
 from lpmoe.recipe import Float8BlockScaling
+from profile_compile_host import add_shape_args, launch_bound_inputs  # (tools/ is this script's folder)
 
 
 def main():
@@ -29,17 +30,9 @@ def main():
     p.add_argument("--per-expert", action="store_true")
     p.add_argument("--steps", type=int, default=100, help="steps per block")
     p.add_argument("--blocks", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--ffn", type=int, default=768)
+    add_shape_args(p)
     a = p.parse_args()
-    torch.manual_seed(0)
-    x = torch.randn(a.tokens, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.rand(a.experts, generator=torch.Generator().manual_seed(0)) + 0.2
-    s = (w / w.sum() * a.tokens).floor().long()
-    s[0] += a.tokens - int(s.sum())
-    splits = s.cuda()
+    x, splits = launch_bound_inputs(a)
     mlp = lpmoe.GroupedMLP(a.experts, a.hidden, a.ffn, params_dtype=torch.bfloat16, device="cuda",
                            single_grouped_parameter=not a.per_expert)
     m = torch.compile(mlp, fullgraph=True) if a.mode == "compile" else mlp

@@ -66,12 +66,28 @@ def _cprofile(modes, step, n, label):
         print(f"--- cProfile {label} {k}: {n} steps\n" + out.getvalue().split("\n", 4)[-1][:5000])
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The step's shape (bench_compile.py's launch-bound case by default)."""
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=768)
+
+
+def launch_bound_inputs(a, device="cuda"):
+    """(x, device m_splits): seeded bf16 tokens that need a gradient, and
+    uneven expert splits (random weights, the rounding rest on expert 0)."""
+    torch.manual_seed(0)
+    x = torch.randn(a.tokens, a.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(a.experts, generator=torch.Generator().manual_seed(0)) + 0.2
+    s = (w / w.sum() * a.tokens).floor().long()
+    s[0] += a.tokens - int(s.sum())
+    return x, s.to(device)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(p)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also run N steps of each mode under cProfile and print the top functions by own time")
@@ -80,12 +96,7 @@ def main():
                          (mlp_ops, "_mlp_backward_fc2_run"), (mlp_ops, "_mlp_backward_fc1_run"),
                          (saved_layout, "flatten"), (saved_layout, "rebuild"), (mlp_ops, "check_recipe")):
         _wrap(module, name)
-    torch.manual_seed(0)
-    x = torch.randn(a.tokens, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.rand(a.experts, generator=torch.Generator().manual_seed(0)) + 0.2
-    s = (w / w.sum() * a.tokens).floor().long()
-    s[0] += a.tokens - int(s.sum())
-    splits = s.cuda()
+    x, splits = launch_bound_inputs(a)
     for stacked in (True, False):
         for rname, recipe in (("bf16", None), ("fp8", Float8BlockScaling())):
             torch._dynamo.reset()

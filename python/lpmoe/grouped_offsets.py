@@ -86,11 +86,7 @@ def splits_to_offsets(
     """
     bulk = offsets_bulk_of(splits, strides, aligns, num_splits=num_splits, uniform_split=uniform_split,
                            second=second, times_second=times_second, capacity_rows=capacity_rows, device=device)
-    return _views(bulk, _splits_count(splits, num_splits), len(strides))
-
-
-def _splits_count(splits, num_splits) -> int:
-    return int(num_splits) if splits is None else splits.numel()
+    return _views(bulk, int(num_splits) if splits is None else splits.numel(), len(strides))
 
 
 def offsets_bulk_of(
