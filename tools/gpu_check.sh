@@ -2,7 +2,7 @@
 # One command for the GPU machine: build (all cores), GPU tests, benchmarks,
 # and a short summary table printed last.
 #
-#   bash tools/gpu_check.sh [--no-bench] [--bench-only]
+#   bash tools/gpu_check.sh [--no-bench] [--bench-only] [--no-examples]
 #   LPMOE_TESTS="tests/x.py" LPMOE_BENCH="benchmarks/bench_y.py" narrow a run.
 #
 # A build from an earlier run can be reused: the script copies the built
@@ -16,11 +16,12 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}"
 export PATH="/usr/local/cuda/bin:$PATH"
 OUT="${OUT:-/tmp/lpmoe_out}"; mkdir -p "$OUT"
-RUN_TESTS=1; RUN_BENCH=1
+RUN_TESTS=1; RUN_BENCH=1; RUN_EXAMPLES=1
 for a in "$@"; do
   case "$a" in
     --no-bench) RUN_BENCH=0 ;;
     --bench-only) RUN_TESTS=0 ;;
+    --no-examples) RUN_EXAMPLES=0 ;;  # tests only: saves the examples' 2-4 min of device time
   esac
 done
 summary=()
@@ -58,7 +59,7 @@ if [ "$RUN_TESTS" = 1 ]; then
   rc=${PIPESTATUS[0]}
   summary+=("tests|$(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/pytest.log" | tail -1)")
 fi
-if [ "$RUN_TESTS" = 1 ]; then
+if [ "$RUN_TESTS" = 1 ] && [ "$RUN_EXAMPLES" = 1 ]; then
   PYTHONPATH=python python3 examples/demo.py 2>&1 | tee "$OUT/demo.log" | tail -8
   summary+=("demo (examples/demo.py)|exit ${PIPESTATUS[0]}")
   for extra in "" "--graphs"; do

@@ -303,9 +303,14 @@ class GroupedTensor:
         dev = self.device
         by_rows = kind is ShapeKind.VARYING_FIRST
         memo = _OFFSET_SCOPES[-1] if _OFFSET_SCOPES else None
-        key = (kind, n, _sizes.key(rows), None if by_rows else _sizes.key(cols), id(self.first_dims),
-               id(self.last_dims), dev)
-        hit = memo.get(key) if memo is not None else None
+        hit = key = None
+        if memo is not None:
+            # Keyed by the dims' identity, so built only inside a scope (the layer
+            # ops' implementations): Dynamo in torch 2.11 cannot take id() of a
+            # tensor made inside a compiled region, which user code may do.
+            key = (kind, n, _sizes.key(rows), None if by_rows else _sizes.key(cols), id(self.first_dims),
+                   id(self.last_dims), dev)
+            hit = memo.get(key)
         if hit is not None:
             self.padded_row_offsets, self.offsets_status, by_width = hit[:3]
             width = _sizes.key(cols)
