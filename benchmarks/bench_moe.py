@@ -16,6 +16,7 @@ bandwidth measured in the same run.
 """
 from __future__ import annotations
 
+import importlib
 import statistics
 
 import torch
@@ -24,6 +25,9 @@ from _common import copy_bandwidth_gbs, median_ms, parser, write_summary
 
 import lpmoe
 from lpmoe.moe import kernels, permute_probs, routing_map, router_scores
+from lpmoe.moe.routing_map import routing_map_torch
+
+rm_module = importlib.import_module("lpmoe.moe.routing_map")  # lpmoe.moe.routing_map is also a function's name
 from lpmoe.recipe import Float8BlockScaling
 
 
@@ -72,9 +76,6 @@ def bench_permutation(t, k, h, copy_gbs, rows):
         ("permute bwd", lambda: kernels.gather(xg, rm.row_map), tok + slots),
         ("permute_probs", lambda: permute_probs(probs, rm), None),
     ]
-    rm_us = graph_us(lambda: routing_map(idx, e))
-    print(f"  routing_map GPU time (graph replay): {rm_us:.1f} us")
-    rows.append((f"moe routing_map GPU time T={t} k={k}", f"{rm_us:.0f} us"))
     out = []
     for name, fn, nbytes in cases:
         ms = statistics.median(median_ms(fn, warmup=3, iters=9, reps=5) for _ in range(3))
@@ -139,6 +140,60 @@ def bench_layer(t, h, f, e, k, fp8, rows):
     rows.append((f"layer {tag} T={t} outside MLP", f"{share * 100:.1f}%"))
 
 
+def bench_routing_map(t, k, rows):
+    """The routing map kernels against the same map from PyTorch ops
+    (routing_map_torch: stable sort, searchsorted, scatters): GPU time
+    (graph replay) and eager time per call (host included)."""
+    for e, capacity in ((64, None), (256, None), (64, 2 * t * k // 64)):
+        idx = _indices(t, k, e)
+        flat = idx.reshape(-1)
+        ours = lambda: routing_map(idx, e, capacity)  # noqa: E731
+        ref = lambda: routing_map_torch(flat, e, capacity, False)  # noqa: E731
+        if not torch.equal(ours().row_map.view(-1), ref()[0]):
+            raise SystemExit("routing map kernels differ from the PyTorch formulation")
+        g_ours, g_ref, h_ours, h_ref = [], [], [], []
+        for _ in range(3):  # interleaved rounds
+            g_ours.append(graph_us(ours)); g_ref.append(graph_us(ref))
+            h_ours.append(median_ms(ours, warmup=3, iters=20, reps=5) * 1e3)
+            h_ref.append(median_ms(ref, warmup=3, iters=20, reps=5) * 1e3)
+        go, gr, ho, hr = (statistics.median(v) for v in (g_ours, g_ref, h_ours, h_ref))
+        cap = "" if capacity is None else f" capacity {capacity}"
+        print(f"  routing_map T={t} k={k} E={e}{cap}: GPU {go:6.1f} us vs PyTorch ops {gr:6.1f} us ({gr / go:.1f}x); "
+              f"eager {ho:6.1f} vs {hr:6.1f} us ({hr / ho:.1f}x)")
+        rows.append((f"moe routing_map T={t} k={k} E={e}{cap}", f"GPU {go:.0f} us ({gr / go:.1f}x PyTorch ops), "
+                     f"eager {ho:.0f} us ({hr / ho:.1f}x)"))
+
+
+def bench_layer_routing(t, h, f, e, k, fp8, rows):
+    """A launch-bound MoE layer step (eager fwd+bwd) with the routing map
+    kernels against the same layer with the map from PyTorch ops (the
+    fallback above KERNEL_MAX_EXPERTS), interleaved rounds."""
+    torch.manual_seed(0)
+    layer = lpmoe.moe.MoELayer(h, f, e, k, params_dtype=torch.bfloat16, single_grouped_parameter=True)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    limit = rm_module.KERNEL_MAX_EXPERTS
+
+    def step(kernel):
+        rm_module.KERNEL_MAX_EXPERTS = limit if kernel else 0
+        try:
+            layer(x).backward(gy)
+        finally:
+            rm_module.KERNEL_MAX_EXPERTS = limit
+
+    with lpmoe.autocast(enabled=fp8, recipe=Float8BlockScaling()):
+        res = {True: [], False: []}
+        for _ in range(5):
+            for kernel in (True, False):
+                res[kernel].append(median_ms(lambda: step(kernel), warmup=3, iters=15, reps=3))
+    a, b = statistics.median(res[True]), statistics.median(res[False])
+    tag = "fp8" if fp8 else "bf16"
+    print(f"  layer {tag} T={t} E={e} k={k} H={h} F={f}: step {a:.3f} ms with the routing map kernels, {b:.3f} ms "
+          f"with PyTorch ops ({b / a:.3f}x; rounds {min(res[True]):.3f}-{max(res[True]):.3f} / "
+          f"{min(res[False]):.3f}-{max(res[False]):.3f})")
+    rows.append((f"layer {tag} T={t} E={e} routing map kernels vs PyTorch ops", f"{b / a:.3f}x step"))
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--tokens", type=int, default=65536)
@@ -148,12 +203,18 @@ def main():
     copy_gbs = copy_bandwidth_gbs()
     print(f"device copy: {copy_gbs:.0f} GB/s")
     rows = [("device copy", f"{copy_gbs:.0f} GB/s")]
+    print("routing map:")
+    for t in (args.tokens, 4096):
+        bench_routing_map(t, args.topk, rows)
     print("permutation:")
     bench_permutation(args.tokens, args.topk, args.hidden, copy_gbs, rows)
     if not args.quick:
         bench_permutation(4096, args.topk, args.hidden, copy_gbs, rows)
     print("router:")
     bench_router(args.tokens, 64, args.topk, copy_gbs, rows)
+    print("MoE layer at a launch-bound size (4k tokens, 64 experts, top-8, H 2048, F 768):")
+    for fp8 in (True, False):
+        bench_layer_routing(4096, 2048, 768, 64, 8, fp8, rows)
     print("MoE layer (DeepSeek-V3 expert shapes, 64 experts, one GPU):")
     for fp8 in (True, False):
         bench_layer(8192, args.hidden, 2048, 64, 8, fp8, rows)

@@ -91,6 +91,12 @@ void permute_scatter(const at::Tensor& src, const at::Tensor& row_map, const c10
 void permute_gather(const at::Tensor& src, const at::Tensor& row_map, const c10::optional<at::Tensor>& scale,
                     const at::Tensor& dst);
 
+// Routing map: slot -> grouped row (csrc/routing_map); see lpmoe/moe/routing_map.py.
+int64_t routing_map_chunks(int64_t slots);
+void routing_map(const at::Tensor& indices, int64_t experts, int64_t capacity, bool padded, const at::Tensor& counts,
+                 const at::Tensor& totals, const at::Tensor& row_map, const at::Tensor& m_splits,
+                 const c10::optional<at::Tensor>& used, const at::Tensor& dropped);
+
 // Fused router scoring (csrc/router); see lpmoe/moe/router_kernel.py.
 int64_t router_grid_size(int64_t tokens);
 void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normalize, const at::Tensor& probs,

@@ -11,6 +11,7 @@ shapes; CPU tensors run the bit-exact reference through the same ops):
 * ``activation_forward``, ``activation_backward``
 * ``permute_scatter``, ``permute_gather``           MoE token permutation
 * ``router_topk``                                  fused router scores / top-k
+* ``routing_map``                                  slot -> grouped row (MoE routing)
 
 Layers, with autograd registered (``register_autograd``):
 
@@ -35,4 +36,4 @@ OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group
             "grouped_gemm_out", "activation_forward", "activation_backward", "grouped_linear",
             "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "grouped_mlp_backward_fc1",
             "permute_scatter", "permute_gather",
-            "router_topk")
+            "router_topk", "routing_map")

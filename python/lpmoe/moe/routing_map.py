@@ -20,15 +20,31 @@ Layouts of the grouped rows:
 With ``capacity`` C, an expert keeps its first C slots (token order) and the
 rest are dropped: ``dropped`` counts them (a device scalar), and their
 ``row_map`` entries are -1, so they contribute nothing to the output.
+
+On the GPU (up to 1024 experts) one custom op, ``lpmoe::routing_map``, runs
+three small kernels (csrc/routing_map: per-chunk counts, their scan over
+chunks, per-slot ranks); elsewhere, and as the tests' reference, the same
+map comes from PyTorch ops (:func:`routing_map_torch`: a stable sort,
+searchsorted and scatters, ~15 launches).  Integer arithmetic only: both
+give the same map.  ``CALLS`` counts which one ran.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["RoutingMap", "routing_map"]
+from lpmoe._ext import ext, has_extension
+from lpmoe.library._define import define
+from lpmoe.library.routing import tracing
+
+__all__ = ["RoutingMap", "routing_map", "routing_map_torch", "CALLS"]
+
+CALLS = {"kernel_routing_map": 0, "torch_routing_map": 0}
+
+#: experts the routing map kernel takes (a running count per expert and warp in shared memory)
+KERNEL_MAX_EXPERTS = 1024
 
 
 @dataclass
@@ -67,12 +83,61 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, capacity: Optional
         raise ValueError("layout='padded' needs a capacity (rows per expert)")
     idx = topk_indices if topk_indices.dim() == 2 else topk_indices.unsqueeze(1)
     tokens, k = idx.shape
-    e = num_experts
     n = tokens * k
     if n >= 2 ** 31:
         raise ValueError(f"tokens * top_k = {n} slots exceed the int32 row map")
-    dev = idx.device
-    flat = idx.reshape(-1).to(torch.int64)
+    padded = layout == "padded"
+    if padded and num_experts * capacity >= 2 ** 31:
+        raise ValueError(f"num_experts * capacity = {num_experts * capacity} rows exceed the int32 row map")
+    args = (idx.reshape(-1), num_experts, -1 if capacity is None else capacity, padded)
+    if tracing():
+        row_map, kept, used, dropped = _routing_map_op(*args)
+    else:
+        row_map, kept, used, dropped = _routing_map_impl(*args)
+    num_rows = num_experts * capacity if padded else (n if capacity is None else min(n, num_experts * capacity))
+    return RoutingMap(row_map.view(tokens, k), kept, num_rows, None if padded else used, dropped, capacity)
+
+
+def _fake(indices, num_experts, capacity, padded):
+    i64 = dict(dtype=torch.int64, device=indices.device)
+    return (torch.empty(indices.shape, dtype=torch.int32, device=indices.device), torch.empty(num_experts, **i64),
+            torch.empty(1, **i64), torch.empty(1, **i64))
+
+
+@define("routing_map", _fake)
+def _routing_map_op(indices: torch.Tensor, num_experts: int, capacity: int, padded: bool
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _routing_map_impl(indices, num_experts, capacity, padded)
+
+
+def _routing_map_impl(flat, num_experts, capacity, padded):
+    """(row_map (slots,) int32, m_splits (E,) int64, kept total (1,) int64,
+    dropped (1,) int64); ``capacity`` -1 = none."""
+    if flat.is_cuda and num_experts <= KERNEL_MAX_EXPERTS and has_extension():
+        CALLS["kernel_routing_map"] += 1
+        dev, n = flat.device, flat.numel()
+        i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+        counts = torch.empty(ext().routing_map_chunks(n) * num_experts, **i32)
+        totals = torch.empty(num_experts, **i32)
+        row_map, kept = torch.empty(n, **i32), torch.empty(num_experts, **i64)
+        used, dropped = torch.empty(1, **i64), torch.empty(1, **i64)
+        ext().routing_map(flat.contiguous(), num_experts, capacity, padded, counts, totals, row_map, kept, used,
+                          dropped)
+        return row_map, kept, used, dropped
+    CALLS["torch_routing_map"] += 1
+    return routing_map_torch(flat, num_experts, None if capacity < 0 else capacity, padded)
+
+
+def routing_map_torch(flat: torch.Tensor, num_experts: int, capacity: Optional[int], padded: bool
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The map from PyTorch ops (any device, any expert count): the
+    formulation the kernels are tested against.  ``flat``: (slots,) expert
+    ids; returns what ``lpmoe::routing_map`` returns (``used`` is the kept
+    total in either layout)."""
+    e = num_experts
+    n = flat.numel()
+    dev = flat.device
+    flat = flat.to(torch.int64)
     valid = (flat >= 0) & (flat < e)
     key = torch.where(valid, flat, e)                      # dropped slots sort last
     sorted_key, order = torch.sort(key, stable=True)
@@ -88,14 +153,11 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, capacity: Optional
         kept, keep = counts, valid
     else:
         kept, keep = counts.clamp(max=capacity), valid & (rank < capacity)
-    if layout == "padded":
+    if padded:
         dest = expert * capacity + rank
-        num_rows, used = e * capacity, None
     else:
         offsets = torch.cumsum(kept, 0) - kept
         dest = offsets[expert] + rank
-        num_rows = n if capacity is None else min(n, e * capacity)
-        used = kept.sum().reshape(1)
-    row_map = torch.where(keep, dest, -1).to(torch.int32).view(tokens, k)
+    row_map = torch.where(keep, dest, -1).to(torch.int32)
     dropped = (valid.sum() - kept.sum()).reshape(1)
-    return RoutingMap(row_map, kept, num_rows, used, dropped, capacity)
+    return row_map, kept, kept.sum().reshape(1), dropped

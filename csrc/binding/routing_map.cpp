@@ -1,0 +1,59 @@
+// Binding of the routing map kernels (csrc/routing_map).  Python
+// (lpmoe/moe/routing_map.py) allocates; this layer checks and launches.
+#include <ATen/cuda/CUDAContext.h>
+
+#include "binding/common.h"
+#include "binding/ops.h"
+#include "routing_map/routing_map.h"
+
+namespace lpmoe {
+namespace binding {
+
+int64_t routing_map_chunks(int64_t slots) { return routing_map::chunks(slots); }
+
+void routing_map(const at::Tensor& indices, int64_t experts, int64_t capacity, bool padded, const at::Tensor& counts,
+                 const at::Tensor& totals, const at::Tensor& row_map, const at::Tensor& m_splits,
+                 const c10::optional<at::Tensor>& used, const at::Tensor& dropped) {
+  check_cuda(indices, "indices");
+  check_contiguous(indices, "indices");
+  TORCH_CHECK(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt,
+              "lpmoe: `indices` must be int32 or int64, got ", indices.scalar_type());
+  const int64_t slots = indices.numel();
+  TORCH_CHECK(slots < (int64_t{1} << 31), "lpmoe: `indices` has ", slots, " slots; the int32 row map takes < 2^31");
+  TORCH_CHECK(experts >= 1 && experts <= routing_map::kMaxExperts, "lpmoe: the routing map kernel takes 1..",
+              routing_map::kMaxExperts, " experts, got ", experts);
+  TORCH_CHECK(!padded || (capacity >= 0 && experts * capacity < (int64_t{1} << 31)),
+              "lpmoe: the padded layout needs 0 <= capacity and experts * capacity < 2^31, got capacity ", capacity);
+  auto check_out = [&](const at::Tensor& x, at::ScalarType dt, int64_t numel, const char* name) {
+    check_same_device(x, indices, name, "indices");
+    TORCH_CHECK(x.scalar_type() == dt && x.is_contiguous() && x.numel() == numel, "lpmoe: `", name,
+                "` must be a contiguous ", dt, " tensor of ", numel, " elements, got ", x.scalar_type(), " ",
+                x.numel());
+  };
+  check_out(counts, at::kInt, routing_map::chunks(slots) * experts, "counts");
+  check_out(totals, at::kInt, experts, "totals");
+  check_out(row_map, at::kInt, slots, "row_map");
+  check_out(m_splits, at::kLong, experts, "m_splits");
+  check_out(dropped, at::kLong, 1, "dropped");
+  routing_map::Args a;
+  if (used.has_value()) {
+    check_out(*used, at::kLong, 1, "used");
+    a.used = used->data_ptr<int64_t>();
+  }
+  a.indices = indices.data_ptr();
+  a.indices_int64 = indices.scalar_type() == at::kLong;
+  a.slots = slots;
+  a.experts = static_cast<int>(experts);
+  a.capacity = capacity;
+  a.padded = padded;
+  a.counts = counts.data_ptr<int32_t>();
+  a.totals = totals.data_ptr<int32_t>();
+  a.row_map = row_map.data_ptr<int32_t>();
+  a.m_splits = m_splits.data_ptr<int64_t>();
+  a.dropped = dropped.data_ptr<int64_t>();
+  const c10::cuda::CUDAGuard guard(indices.device());
+  LPMOE_CHECK_LAUNCH(routing_map::launch_routing_map(a, current_stream()), "routing map");
+}
+
+}  // namespace binding
+}  // namespace lpmoe
