@@ -132,6 +132,23 @@ def test_moe_layer_compiles_fullgraph_cpu():
     assert torch.allclose(gc, layer.router.weight.grad, atol=1e-6)
 
 
+def test_compiled_moe_layer_does_not_recompile_as_routing_changes_cpu():
+    """Steps with new tokens (so new routing) run the first compiled graph:
+    no guard on lpmoe's call counters or the autocast state (both once made
+    every call, or the second, recompile; fullgraph then fails at the limit)."""
+    import torch._dynamo.testing
+    torch.manual_seed(4)
+    layer = MoELayer(32, 16, 4, 2, device="cpu", params_dtype=torch.float32, aux_loss_coeff=0.01)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for step in range(4):
+        x = torch.randn(24, 32, requires_grad=True)
+        compiled(x).sum().backward()
+        layer.zero_grad(set_to_none=True)
+    assert counter.frame_count == 1
+
+
 def _spawn(fn, *args, nprocs=2):
     import torch.multiprocessing as mp
     mp.spawn(fn, args=(nprocs, _free_port()) + args, nprocs=nprocs, join=True)

@@ -1,6 +1,6 @@
 """GroupedMLP steps in a loop, for a sampling profiler (host time only).
 
-    python tools/host_steps.py --mode eager|compile --recipe bf16|fp8 [--per-expert] [--steps 300]
+    python tools/host_steps.py --mode eager|compile --recipe bf16|fp8 [--per-expert] [--layer mlp|moe] [--steps 300]
     py-spy record --format raw -r 2000 -o stacks.txt -- python tools/host_steps.py ...
 
 Each step synchronizes first, so the host time of forward and backward is
@@ -8,7 +8,9 @@ measured with an idle GPU, and the step time runs to the GPU's end of the
 step (medians per block of steps; the best block is printed).  Under a
 sampling profiler, samples inside torch.cuda.synchronize are GPU waits.  The default shape is
 bench_compile.py's launch-bound one (4k tokens, 64 experts, H 2048, F 768),
-device m_splits, stacked parameters.
+device m_splits, stacked parameters.  ``--layer moe`` runs a whole
+lpmoe.moe.MoELayer (router, routing map, permutation, experts, top-8) over
+``--tokens`` tokens instead.
 """
 from __future__ import annotations
 
@@ -28,13 +30,19 @@ def main():
     p.add_argument("--mode", choices=("eager", "compile"), default="eager")
     p.add_argument("--recipe", choices=("bf16", "fp8"), default="fp8")
     p.add_argument("--per-expert", action="store_true")
+    p.add_argument("--layer", choices=("mlp", "moe"), default="mlp")
+    p.add_argument("--top-k", type=int, default=8, help="--layer moe: experts per token")
     p.add_argument("--steps", type=int, default=100, help="steps per block")
     p.add_argument("--blocks", type=int, default=3)
     add_shape_args(p)
     a = p.parse_args()
     x, splits = launch_bound_inputs(a)
-    mlp = lpmoe.GroupedMLP(a.experts, a.hidden, a.ffn, params_dtype=torch.bfloat16, device="cuda",
-                           single_grouped_parameter=not a.per_expert)
+    if a.layer == "moe":
+        mlp = lpmoe.moe.MoELayer(a.hidden, a.ffn, a.experts, a.top_k, params_dtype=torch.bfloat16,
+                                 single_grouped_parameter=not a.per_expert)
+    else:
+        mlp = lpmoe.GroupedMLP(a.experts, a.hidden, a.ffn, params_dtype=torch.bfloat16, device="cuda",
+                               single_grouped_parameter=not a.per_expert)
     m = torch.compile(mlp, fullgraph=True) if a.mode == "compile" else mlp
     recipe = Float8BlockScaling() if a.recipe == "fp8" else None
 
@@ -42,7 +50,7 @@ def main():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
-            y = m(x, splits)
+            y = m(x) if a.layer == "moe" else m(x, splits)
         t1 = time.perf_counter()
         y.backward(torch.ones_like(y))
         t2 = time.perf_counter()
@@ -60,7 +68,7 @@ def main():
         f, b, w = zip(*(step() for _ in range(a.steps)))
         blocks.append((statistics.median(w), statistics.median(f), statistics.median(b)))
     w, f, b = min(blocks)
-    print(f"{a.mode} {a.recipe} {'per-expert' if a.per_expert else 'stacked'}: host fwd {f * 1e6:.0f} us, "
+    print(f"{a.layer} {a.mode} {a.recipe} {'per-expert' if a.per_expert else 'stacked'}: host fwd {f * 1e6:.0f} us, "
           f"bwd {b * 1e6:.0f} us, step (to the GPU's end) {w * 1e6:.0f} us (best of {a.blocks} blocks of "
           f"{a.steps}: {', '.join(f'{x[0] * 1e6:.0f}' for x in blocks)})")
 

@@ -13,7 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // BINDING_VERSION in python/lpmoe/_ext.py, which refuses an extension
   // built from other sources with an error that says to rebuild (instead of
   // a wrong-type failure deep in a layer).  2: splits_to_offsets returns the
-  // bulk buffer alone.  3: routing_map.
+  // bulk buffer alone.  3: routing_map, router_backward.
   m.attr("BINDING_VERSION") = 3;
   m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
         py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
@@ -36,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("permute_gather", &lpmoe::binding::permute_gather);
   m.def("router_grid_size", &lpmoe::binding::router_grid_size);
   m.def("router_topk", &lpmoe::binding::router_topk);
+  m.def("router_backward", &lpmoe::binding::router_backward);
   m.def("routing_map_chunks", &lpmoe::binding::routing_map_chunks);
   m.def("routing_map", &lpmoe::binding::routing_map);
   m.def("grouped_gemm_setup_bytes", &lpmoe::binding::grouped_gemm_setup_bytes);

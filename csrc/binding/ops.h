@@ -102,6 +102,9 @@ int64_t router_grid_size(int64_t tokens);
 void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normalize, const at::Tensor& probs,
                  const at::Tensor& indices, const c10::optional<at::Tensor>& lse,
                  const c10::optional<at::Tensor>& affinity, const c10::optional<at::Tensor>& counts);
+void router_backward(const at::Tensor& logits, const at::Tensor& indices, const c10::optional<at::Tensor>& grad_probs,
+                     const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_affinity,
+                     bool sigmoid, bool normalize, const at::Tensor& grad_logits);
 
 // Grouped GEMM (csrc/gemm); see lpmoe/gemm.
 int64_t grouped_gemm_setup_bytes(int64_t num_groups);

@@ -58,5 +58,52 @@ void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normali
                      "router top-k");
 }
 
+void router_backward(const at::Tensor& logits, const at::Tensor& indices, const c10::optional<at::Tensor>& grad_probs,
+                     const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_affinity,
+                     bool sigmoid, bool normalize, const at::Tensor& grad_logits) {
+  check_cuda(logits, "logits");
+  check_contiguous(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "lpmoe: `logits` must be (tokens, experts), got ", logits.sizes());
+  TORCH_CHECK(indices.dim() == 2 && indices.size(0) == logits.size(0), "lpmoe: `indices` must be (tokens, k), got ",
+              indices.sizes());
+  const int64_t t = logits.size(0), e = logits.size(1), k = indices.size(1);
+  TORCH_CHECK(e >= 1 && e <= router::kMaxExperts && k >= 1 && k <= router::kMaxTopK && k <= e,
+              "lpmoe: the router backward takes 1..", router::kMaxExperts, " experts and 1..", router::kMaxTopK,
+              " <= experts slots, got ", e, " experts, k ", k);
+  auto check_in = [&](const at::Tensor& x, at::ScalarType dt, int64_t numel, const char* name) {
+    check_same_device(x, logits, name, "logits");
+    TORCH_CHECK(x.scalar_type() == dt && x.is_contiguous() && x.numel() == numel, "lpmoe: `", name,
+                "` must be a contiguous ", dt, " tensor of ", numel, " elements");
+  };
+  check_in(indices, at::kLong, t * k, "indices");
+  check_in(grad_logits, logits.scalar_type(), t * e, "grad_logits");
+  router::BackwardArgs a;
+  a.logits = logits.data_ptr();
+  a.dtype = to_hp_dtype(logits.scalar_type(), "logits");
+  a.tokens = t;
+  a.experts = static_cast<int>(e);
+  a.k = static_cast<int>(k);
+  a.sigmoid = sigmoid;
+  a.normalize = normalize;
+  a.indices = indices.data_ptr<int64_t>();
+  if (grad_probs.has_value()) {
+    check_in(*grad_probs, at::kFloat, t * k, "grad_probs");
+    a.grad_probs = grad_probs->data_ptr<float>();
+  }
+  if (grad_lse.has_value()) {
+    check_in(*grad_lse, at::kFloat, t, "grad_lse");
+    a.grad_lse = grad_lse->data_ptr<float>();
+  }
+  if (grad_affinity.has_value()) {
+    check_in(*grad_affinity, at::kFloat, e, "grad_affinity");
+    a.grad_affinity = grad_affinity->data_ptr<float>();
+  }
+  a.grad_logits = grad_logits.data_ptr();
+  const c10::cuda::CUDAGuard guard(logits.device());
+  LPMOE_CHECK_LAUNCH(router::launch_backward(a, at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+                                             current_stream()),
+                     "router backward");
+}
+
 }  // namespace binding
 }  // namespace lpmoe

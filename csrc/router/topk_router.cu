@@ -10,29 +10,14 @@
 #include <cfloat>
 
 #include "common/numerics.cuh"
+#include "router/warp_scores.cuh"
 
 namespace lpmoe {
 namespace router {
 namespace {
 
 constexpr int kThreads = kWarpsPerCta * 32;
-
-template <typename T>
-__device__ __forceinline__ float load_logit(const T* p) {
-  return to_float<T>(*p);
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using detail::warp_sum;
 
 // (value, index) argmax over the warp: larger value wins, ties to the lower index.
 __device__ __forceinline__ void warp_argmax(float& v, int& i) {
@@ -60,28 +45,12 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(TopKArgs a) {
   for (int v = 0; v < kPerLane; ++v) aff[v] = 0.0f;
   for (int64_t t = int64_t(blockIdx.x) * kWarpsPerCta + warp; t < a.tokens;
        t += int64_t(gridDim.x) * kWarpsPerCta) {
-    float l[kPerLane], s[kPerLane];
-#pragma unroll
-    for (int v = 0; v < kPerLane; ++v) {
-      const int e = lane + 32 * v;
-      l[v] = e < a.experts ? load_logit<T>(logits + t * a.experts + e) : -INFINITY;
-    }
-    float m = -INFINITY;
-#pragma unroll
-    for (int v = 0; v < kPerLane; ++v) m = fmaxf(m, l[v]);
-    m = warp_max(m);
-    float sum = 0.0f;
-#pragma unroll
-    for (int v = 0; v < kPerLane; ++v) sum += (lane + 32 * v < a.experts) ? expf(l[v] - m) : 0.0f;
-    sum = warp_sum(sum);
+    float l[kPerLane], s[kPerLane], m, sum;
+    detail::token_scores<T, kPerLane>(logits + t * a.experts, lane, a.experts, a.sigmoid, l, s, m, sum);
     if (a.lse != nullptr && lane == 0) a.lse[t] = m + logf(sum);
     float s_total = 0.0f;
 #pragma unroll
-    for (int v = 0; v < kPerLane; ++v) {
-      const bool real = lane + 32 * v < a.experts;
-      s[v] = !real ? 0.0f : a.sigmoid ? 1.0f / (1.0f + expf(-l[v])) : expf(l[v] - m) / sum;
-      s_total += s[v];
-    }
+    for (int v = 0; v < kPerLane; ++v) s_total += s[v];
     if (a.affinity != nullptr) {
       const float z = a.sigmoid ? warp_sum(s_total) : 1.0f;
 #pragma unroll

@@ -46,5 +46,32 @@ struct TopKArgs {
 int grid_size(int64_t tokens, int sm_count);
 cudaError_t launch_topk(const TopKArgs& args, int sm_count, cudaStream_t stream);
 
+// The logits' gradient of the forward's differentiable outputs, the
+// selection fixed by `indices` (router_backward.cu): one warp per token
+// recomputes the scores s (as the forward does) and applies, in fp32,
+//   v_j = s[idx_j], probs_j = v_j / sum_i v_i (normalize) or v_j
+//   dv_j = (g_j - sum_i g_i probs_i) / sum_i v_i  (normalize), else g_j
+//   ds_e = [e = idx_j] dv_j + (softmax: ga_e; sigmoid: (ga_e - sum_e' ga_e' s_e' / Z) / Z, Z = sum_e s_e)
+//   dl_e = (softmax: s_e (ds_e - sum_e' ds_e' s_e'); sigmoid: ds_e s_e (1 - s_e))
+//          + g_lse softmax(l)_e
+// where g, ga, g_lse are the gradients of probs, of the affinity sums (the
+// same for every token) and of the logsumexp; absent ones count as 0.
+struct BackwardArgs {
+  const void* logits = nullptr;      // (tokens, experts) row-major
+  DType dtype = DType::kFloat32;
+  int64_t tokens = 0;
+  int experts = 0;
+  int k = 1;
+  bool sigmoid = false;
+  bool normalize = true;
+  const int64_t* indices = nullptr;  // (tokens, k) the forward's selection
+  const float* grad_probs = nullptr; // (tokens, k) or null
+  const float* grad_lse = nullptr;   // (tokens,) or null
+  const float* grad_affinity = nullptr;  // (experts,) or null
+  void* grad_logits = nullptr;       // (tokens, experts), the logits' dtype
+};
+
+cudaError_t launch_backward(const BackwardArgs& args, int sm_count, cudaStream_t stream);
+
 }  // namespace router
 }  // namespace lpmoe

@@ -19,12 +19,19 @@ from lpmoe.recipe import Float8BlockScaling, Recipe
 
 __all__ = ["autocast", "get_autocast_recipe", "is_autocast_enabled"]
 
-_state = threading.local()
+class _State(threading.local):
+    # Every thread starts with its own empty stack (threading.local runs
+    # __init__ per thread), so reading it never creates it: an attribute
+    # created on first use inside a compiled region would be a guard that
+    # fails once and recompiles the caller.
+    def __init__(self):
+        self.stack = []
+
+
+_state = _State()
 
 
 def _stack() -> list:
-    if not hasattr(_state, "stack"):
-        _state.stack = []
     return _state.stack
 
 

@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from lpmoe._async_inputs import ready
+from lpmoe.library.routing import tracing
 from lpmoe.moe import router_kernel
 
 __all__ = ["TopKRouter", "RouterOutput", "router_scores"]
@@ -60,7 +61,8 @@ def router_scores(logits: torch.Tensor, top_k: int, score: str = "softmax", norm
     if router_kernel.fused_available(logits, top_k):
         probs, idx, lse, affinity_sum, counts = router_kernel.fused_scores(logits, top_k, sigmoid, normalize)
     else:
-        router_kernel.CALLS["torch_router"] += 1
+        if not tracing():  # a counter bumped in compiled code is a guard that fails on every call
+            router_kernel.CALLS["torch_router"] += 1
         logits = logits.float()
         scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
         top, idx = torch.topk(scores, top_k, dim=-1)

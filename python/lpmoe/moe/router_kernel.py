@@ -5,16 +5,23 @@ One launch computes the scores, the top-k experts and probabilities, the
 per-token logsumexp (z-loss) and the per-expert affinity sums over tokens
 (load-balancing loss).  PyTorch's softmax + topk + sum + divide sequence
 was measured at ~55x this computation's memory floor at T=64k, E=64, k=8
-(benchmarks/bench_moe.py); the kernel reads the logits once.  The backward
-recomputes the scores from the saved logits with PyTorch ops and lets
-autograd differentiate them (the selection is fixed by the saved indices),
-which is cheap next to the forward and needs no second kernel.
+(benchmarks/bench_moe.py); the kernel reads the logits once.
+
+The backward is a second kernel (csrc/router/router_backward.cu): it
+recomputes the scores from the saved logits and applies the closed-form
+gradient (the selection is fixed by the saved indices).  It used to
+recompute the scores with PyTorch ops and run autograd over them inside
+the backward: cheap on the GPU, but a nested autograd pass of ~15 ops
+took a quarter of a launch-bound MoE layer step's host time
+(docs/moe-notes.md).  :func:`backward_reference` is the kernel's closed
+form in PyTorch ops: the path off the GPU and the tests' reference (the
+tests check it against autograd over the forward's formulas).
 
 ``CALLS`` counts the fused and the PyTorch paths.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -24,7 +31,7 @@ from lpmoe.library.routing import tracing
 
 __all__ = ["fused_available", "fused_scores", "CALLS"]
 
-CALLS = {"fused_router": 0, "torch_router": 0}
+CALLS = {"fused_router": 0, "torch_router": 0, "fused_router_backward": 0, "torch_router_backward": 0}
 
 MAX_EXPERTS, MAX_TOP_K = 512, 32
 
@@ -48,7 +55,7 @@ def _router_topk(logits: torch.Tensor, k: int, sigmoid: bool, normalize: bool) -
 
 def _impl(logits, k, sigmoid, normalize):
     t, e = logits.shape
-    if not logits.is_cuda:  # the op on CPU tensors: the same formulas in PyTorch ops
+    if not logits.is_cuda:  # the op on CPU tensors: the same formulas in PyTorch ops (opcheck)
         l = logits.float()
         s = _scores(l, sigmoid)
         top, idx = torch.topk(s, k, dim=-1)
@@ -57,6 +64,7 @@ def _impl(logits, k, sigmoid, normalize):
         counts = torch.zeros(e, dtype=torch.int64).scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(),
                                                                                              dtype=torch.int64))
         return [probs, idx, torch.logsumexp(l, dim=-1), aff, counts]
+    CALLS["fused_router"] += 1  # here, where the kernel runs: not in traced code (see router.py)
     logits = logits.contiguous()
     f = dict(dtype=torch.float32, device=logits.device)
     probs, idx = torch.empty(t, k, **f), torch.empty(t, k, dtype=torch.int64, device=logits.device)
@@ -86,20 +94,62 @@ class _FusedScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_probs, _g_idx, g_lse, g_aff, _g_counts):
         logits, idx = ctx.saved_tensors
-        with torch.enable_grad():
-            l = logits.detach().float().requires_grad_()
-            s = _scores(l, ctx.sigmoid)
-            v = s.gather(1, idx)
-            outs, grads = [v / v.sum(-1, keepdim=True) if ctx.normalize else v], [g_probs]
-            if g_lse is not None:
-                outs.append(torch.logsumexp(l, dim=-1))
-                grads.append(g_lse)
-            if g_aff is not None:
-                outs.append((s / s.sum(-1, keepdim=True) if ctx.sigmoid else s).sum(0))
-                grads.append(g_aff)
-            keep = [i for i, g in enumerate(grads) if g is not None]
-            torch.autograd.backward([outs[i] for i in keep], [grads[i] for i in keep])
-        return l.grad.to(logits.dtype), None, None, None
+        args = (logits, idx, g_probs, g_lse, g_aff, ctx.sigmoid, ctx.normalize)
+        return (_router_backward(*args) if tracing() else _backward_impl(*args)), None, None, None
+
+
+def _backward_fake(logits, indices, grad_probs, grad_lse, grad_affinity, sigmoid, normalize):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@define("router_backward", _backward_fake)
+def _router_backward(logits: torch.Tensor, indices: torch.Tensor, grad_probs: Optional[torch.Tensor],
+                     grad_lse: Optional[torch.Tensor], grad_affinity: Optional[torch.Tensor], sigmoid: bool,
+                     normalize: bool) -> torch.Tensor:
+    return _backward_impl(logits, indices, grad_probs, grad_lse, grad_affinity, sigmoid, normalize)
+
+
+def _backward_impl(logits, indices, grad_probs, grad_lse, grad_affinity, sigmoid, normalize):
+    if not logits.is_cuda:
+        CALLS["torch_router_backward"] += 1
+        return backward_reference(logits, indices, grad_probs, grad_lse, grad_affinity, sigmoid, normalize)
+    CALLS["fused_router_backward"] += 1
+    logits = logits.contiguous()
+    grad = torch.empty_like(logits)
+    opt = lambda g: None if g is None else g.float().contiguous()  # noqa: E731  (an expanded ones, say)
+    ext().router_backward(logits, indices.contiguous(), opt(grad_probs), opt(grad_lse), opt(grad_affinity), sigmoid,
+                          normalize, grad)
+    return grad
+
+
+def backward_reference(logits: torch.Tensor, idx: torch.Tensor, g_probs: Optional[torch.Tensor],
+                       g_lse: Optional[torch.Tensor], g_aff: Optional[torch.Tensor], sigmoid: bool, normalize: bool
+                       ) -> torch.Tensor:
+    """The kernel's closed form (csrc/router/topk_router.h) in PyTorch ops,
+    fp32: the op off the GPU (an op's body runs below autograd, so it
+    cannot differentiate the forward again) and the tests' reference, which
+    they check against autograd over the forward's formulas."""
+    l = logits.float()
+    p = torch.softmax(l, dim=-1)
+    s = torch.sigmoid(l) if sigmoid else p
+    sel = torch.zeros_like(s).scatter_(1, idx, 1.0)
+    g = torch.zeros_like(s) if g_probs is None else torch.zeros_like(s).scatter_(1, idx, g_probs.float())
+    if normalize:
+        picked = (s * sel).sum(-1, keepdim=True)
+        ds = sel * (g - (g * s * sel).sum(-1, keepdim=True) / picked) / picked
+    else:
+        ds = sel * g
+    if g_aff is not None:
+        ga = g_aff.float()
+        if sigmoid:
+            z = s.sum(-1, keepdim=True)
+            ds = ds + (ga - (ga * s).sum(-1, keepdim=True) / z) / z
+        else:
+            ds = ds + ga
+    dl = ds * s * (1 - s) if sigmoid else s * (ds - (ds * s).sum(-1, keepdim=True))
+    if g_lse is not None:
+        dl = dl + g_lse.float()[:, None] * p
+    return dl.to(logits.dtype)
 
 
 def fused_scores(logits: torch.Tensor, top_k: int, sigmoid: bool, normalize: bool
@@ -107,5 +157,4 @@ def fused_scores(logits: torch.Tensor, top_k: int, sigmoid: bool, normalize: boo
     """(probs (T, k) fp32, indices (T, k) int64, logsumexp (T,) fp32,
     affinity sums over tokens (E,) fp32, slots per expert (E,) int64) from
     one kernel launch."""
-    CALLS["fused_router"] += 1
     return _FusedScores.apply(logits, top_k, sigmoid, normalize)

@@ -117,8 +117,8 @@ def _routing_map_impl(flat, num_experts, capacity, padded):
         CALLS["kernel_routing_map"] += 1
         dev, n = flat.device, flat.numel()
         i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
-        counts = torch.empty(ext().routing_map_chunks(n) * num_experts, **i32)
-        totals = torch.empty(num_experts, **i32)
+        scratch = torch.empty((ext().routing_map_chunks(n) + 1) * num_experts, **i32)  # counts, then totals
+        counts, totals = scratch[:-num_experts], scratch[-num_experts:]
         row_map, kept = torch.empty(n, **i32), torch.empty(num_experts, **i64)
         used, dropped = torch.empty(1, **i64), torch.empty(1, **i64)
         ext().routing_map(flat.contiguous(), num_experts, capacity, padded, counts, totals, row_map, kept, used,
