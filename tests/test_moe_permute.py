@@ -133,17 +133,32 @@ def test_unpermute_accepts_a_bare_row_map():
     assert torch.equal(g[int(rm.used_rows):], torch.zeros_like(g[int(rm.used_rows):]))
 
 
+def _loop_probs(probs, rm):
+    want = torch.zeros(rm.num_rows)
+    for t in range(probs.shape[0]):
+        for j in range(probs.shape[1]):
+            if rm.row_map[t, j] >= 0:
+                want[rm.row_map[t, j]] = probs[t, j].float()
+    return want
+
+
+def _check_permute_probs(idx, experts, capacity, layout, device):
+    rm = routing_map(idx.to(device), experts, capacity, layout)
+    probs = torch.rand(idx.shape, device=device).requires_grad_()
+    pg = permute_probs(probs, rm)
+    rm_cpu = routing_map(idx.cpu(), experts, capacity, layout)
+    assert torch.equal(pg.detach().cpu(), _loop_probs(probs.detach().cpu(), rm_cpu))
+    g = torch.randn(rm.num_rows, device=device)
+    pg.backward(g)
+    want = torch.where(rm_cpu.row_map >= 0, g.cpu()[rm_cpu.row_map.clamp(min=0).long()], 0.0)
+    assert torch.equal(probs.grad.cpu(), want)
+
+
 def test_permute_probs_and_fp8_rows():
     idx = _indices(11, 2, 4, drop=0.2, seed=3)
     rm = routing_map(idx, 4)
-    probs = torch.rand(11, 2)
-    pg = permute_probs(probs, rm)
-    want = torch.zeros(rm.num_rows)
-    for t in range(11):
-        for j in range(2):
-            if rm.row_map[t, j] >= 0:
-                want[rm.row_map[t, j]] = probs[t, j]
-    assert torch.equal(pg, want)
+    for capacity, layout in ((None, "packed"), (2, "packed"), (3, "padded")):
+        _check_permute_probs(idx, 4, capacity, layout, "cpu")
     data = torch.randn(11, 256).to(torch.float8_e4m3fn)
     scale = torch.rand(11, 2)
     d, s = permute_fp8(data, scale, rm)
@@ -236,6 +251,17 @@ def test_gpu_kernels_bit_exact(dtype, cols):
             _same_bits(got_g, want_g)
         assert kernels.CALLS["kernel_scatter"] == before["kernel_scatter"] + 2
         assert kernels.CALLS["kernel_gather"] == before["kernel_gather"] + 2
+
+
+@requires_cuda
+def test_gpu_permute_probs_runs_the_row_scatter():
+    idx = _indices(500, 8, 64, drop=0.1, seed=11)
+    for capacity, layout in ((None, "packed"), (40, "packed"), (50, "padded")):
+        _poison_allocator(1 << 22)
+        before = dict(kernels.CALLS)
+        _check_permute_probs(idx, 64, capacity, layout, "cuda")
+        assert kernels.CALLS["kernel_scatter"] == before["kernel_scatter"] + 1
+        assert kernels.CALLS["kernel_gather"] == before["kernel_gather"] + 1
 
 
 @requires_cuda

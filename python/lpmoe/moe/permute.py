@@ -108,11 +108,10 @@ def permute_probs(probs: torch.Tensor, rmap: RoutingMap) -> torch.Tensor:
     if probs.shape != rmap.row_map.shape:
         raise ValueError(f"probs must be shaped like the row map {tuple(rmap.row_map.shape)}, "
                          f"got {tuple(probs.shape)}")
-    n = rmap.num_rows
-    rm = rmap.row_map.reshape(-1).to(torch.int64)
-    target = torch.where(rm >= 0, rm, n)                  # unrouted slots land in a spare row
-    out = torch.zeros(n + 1, dtype=torch.float32, device=probs.device)
-    return out.scatter(0, target, probs.reshape(-1).float())[:n]
+    # Each slot as a one-column row with a one-slot map: the row scatter (one
+    # launch; its backward one gather) instead of five PyTorch ops.
+    slots = probs.reshape(-1, 1).float().contiguous()
+    return _PermuteRows.apply(slots, rmap.row_map.reshape(-1, 1), rmap.num_rows, rmap.used_rows).view(-1)
 
 
 def permute_fp8(data: torch.Tensor, scale_inv: torch.Tensor, rmap: RoutingMap) -> Tuple[torch.Tensor, torch.Tensor]:
