@@ -15,8 +15,11 @@ one (G, N, K) weight per layer), interleaved in the same rounds.
 Shapes: a launch-bound one (4k routed tokens, 64 experts, H=2048, F=768)
 and a large one (64k tokens, 8 experts, DeepSeek-V3 H=7168, F=2048; not with
 --quick), bf16
-and FP8 block scaling; plus a MoE block (router softmax/top-8, token sort,
-GroupedMLP, weighted un-sort) at 4k tokens.  Step time: CUDA events around
+and FP8 block scaling; plus, at 4k tokens, a MoE block written with plain
+PyTorch ops around GroupedMLP (router softmax/top-8, token sort, weighted
+un-sort: examples/compile_moe_block.py) and lpmoe's own layer,
+``lpmoe.moe.MoELayer`` (fused router, routing map, permutation kernels,
+probabilities applied inside the experts, aux loss).  Step time: CUDA events around
 forward+backward, median of --iters after warm-up.  Ratios: "eager/mode"
 against eager of the same layout, "vs per-expert eager" against the
 default layer in eager mode (>1 = faster).
@@ -151,6 +154,14 @@ def main():
         x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
         out += run_case(f"moe block {rname} T=4096 E=64 k=8", lambda stacked: _moe_block(2048, 768, 64, 8, stacked),
                         x, None, recipe, args.iters, args.rounds)
+        torch._dynamo.reset()
+
+        def moe_layer(stacked):
+            torch.manual_seed(0)
+            return lpmoe.moe.MoELayer(2048, 768, 64, 8, params_dtype=torch.bfloat16, aux_loss_coeff=0.01,
+                                      single_grouped_parameter=stacked)
+        # (MoELayer.forward(x, is_first_microbatch): run_case's splits argument is None)
+        out += run_case(f"moe layer {rname} T=4096 E=64 k=8", moe_layer, x, None, recipe, args.iters, args.rounds)
     write_summary(args.summary, out)
 
 
