@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArg
         const float q = c.probs != nullptr ? math::mul(dA, p[r]) : dA;
         float gd, vd, u;
         if constexpr (kTable) {
-          const float s = sigmoid_table::lookup(table, sigmoid_table::pair_offsets(word(x, e >> 1)), e & 1);
+          const float s = sigmoid_table::lookup_elem(table, x, e);
           math::swiglu_backward(elem<IType>(x, e), elem<IType>(y, e), q, s, gd, vd, u);
         } else {
           math::backward<K>(elem<IType>(x, e), kGlu ? elem<IType>(y, e) : 0.0f, q, c.params, gd, vd, u);

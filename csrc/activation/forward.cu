@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs 
         float u;
         if constexpr (kTable) {  // math::forward<kSwiGLU> with the sigmoid looked up
           const float g = elem<IType>(gate, e);
-          const float s = sigmoid_table::lookup(table, sigmoid_table::pair_offsets(word(gate, e >> 1)), e & 1);
+          const float s = sigmoid_table::lookup_elem(table, gate, e);
           u = math::swiglu_forward(g, v, s);
         } else {
           u = math::forward<K>(elem<IType>(gate, e), v, c.params);

@@ -30,6 +30,7 @@
 #include <cuda_bf16.h>
 
 #include "activation/act_math.cuh"
+#include "common/vec_io.cuh"
 
 namespace lpmoe {
 namespace activation {
@@ -75,6 +76,12 @@ __device__ __forceinline__ uint32_t pair_offsets(uint32_t w) {
 __device__ __forceinline__ float lookup(const float* table, uint32_t offs, int e) {
   const uint32_t off = e ? (offs >> 16) : (offs & 0xffffu);
   return *reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(table) + off);
+}
+
+// sigmoid of element e of an 8-gate vector (the forward and backward kernels' lookup).
+template <typename IType>
+__device__ __forceinline__ float lookup_elem(const float* table, const RawVec8<IType>& gates, int e) {
+  return lookup(table, pair_offsets(word(gates, e >> 1)), e & 1);
 }
 
 }  // namespace sigmoid_table
