@@ -26,9 +26,9 @@ from _common import copy_bandwidth_gbs, median_ms, parser, write_summary
 import lpmoe
 from lpmoe.moe import kernels, permute_probs, routing_map, router_scores
 from lpmoe.moe.routing_map import routing_map_torch
+from lpmoe.recipe import Float8BlockScaling
 
 rm_module = importlib.import_module("lpmoe.moe.routing_map")  # lpmoe.moe.routing_map is also a function's name
-from lpmoe.recipe import Float8BlockScaling
 
 
 def graph_us(fn, reps=10):

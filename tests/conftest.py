@@ -33,6 +33,18 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def poison_allocator(large_bytes: int = 1 << 24) -> None:
+    """Leave 0xFF bytes in the CUDA caching allocator's free blocks, so an
+    output element a kernel fails to write shows up in a comparison.  Both
+    pools: requests of 1 MiB or less are served from a separate small-block
+    pool, which one large poisoned block never reaches."""
+    held = [torch.empty(large_bytes, dtype=torch.uint8, device="cuda")]
+    held += [torch.empty(n, dtype=torch.uint8, device="cuda")
+             for n in (1 << 20, 1 << 18, 1 << 16, 1 << 14, 1 << 12, 1 << 10) for _ in range(4)]
+    for t in held:
+        t.fill_(0xFF)
+
+
 def capture_graph(step):
     """Warm ``step`` up on a side stream, then capture it in a CUDA graph;
     returns (graph, the outputs of the captured call)."""

@@ -326,6 +326,28 @@ def test_compiled_single_tensor_and_swizzle_cpu():
     assert counter.frame_count == 1
 
 
+@requires_cuda
+@pytest.mark.parametrize("q", [lpmoe.Float8BlockQuantizer(), lpmoe.Float8BlockQuantizer(block_dim=2),
+                               lpmoe.MXFP8Quantizer(), lpmoe.NVFP4Quantizer()], ids=repr)
+def test_compiled_single_tensor_gpu(q):
+    """lpmoe::quantize / lpmoe::dequantize of one tensor compiled on the GPU
+    (the CPU test above covers the CPU path): one graph for new inputs,
+    bitwise equal to eager and to the CPU reference of the same input."""
+    def f(x):
+        t = lpmoe.quantize(x, q)
+        return t.data, lpmoe.dequantize(t, torch.float32)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    c = torch.compile(f, fullgraph=True, backend=counter)
+    for seed in range(2):
+        x = _x(128, 256, seed=seed)
+        got, want, ref = c(x.cuda()), f(x.cuda()), f(x)
+        assert got[1].is_cuda
+        _assert_equal(got, want)
+        assert torch.equal(got[1].cpu(), ref[1])
+    assert counter.frame_count == 1
+
+
 # token counts (rows, device splits): capacity tails, an empty expert, one expert with everything
 TOKEN_COUNTS = ((96, [16, 0, 48, 16]), (160, [0, 0, 0, 160]), (64, [16, 16, 16, 16]), (200, [50, 50, 50, 33]))
 

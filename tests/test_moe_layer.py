@@ -149,6 +149,29 @@ def test_compiled_moe_layer_does_not_recompile_as_routing_changes_cpu():
     assert counter.frame_count == 1
 
 
+@requires_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_compiled_moe_layer_does_not_recompile(fp8):
+    """The GPU path (fused router and its backward kernel, routing map and
+    permutation ops) through one compiled frame for steps with new tokens."""
+    import torch._dynamo.testing
+    from lpmoe.moe import router_kernel
+    torch.manual_seed(5)
+    layer = MoELayer(256, 128, 8, 2, params_dtype=torch.bfloat16, aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    before = dict(router_kernel.CALLS)
+    for step in range(4):
+        x = torch.randn(96, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with lpmoe.autocast(enabled=fp8):
+            compiled(x).float().square().sum().backward()
+        layer.zero_grad(set_to_none=True)
+    assert counter.frame_count == 1
+    assert router_kernel.CALLS["fused_router"] - before["fused_router"] >= 4
+    assert router_kernel.CALLS["fused_router_backward"] - before["fused_router_backward"] >= 4
+
+
 def _spawn(fn, *args, nprocs=2):
     import torch.multiprocessing as mp
     mp.spawn(fn, args=(nprocs, _free_port()) + args, nprocs=nprocs, join=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from conftest import requires_cuda
+from conftest import poison_allocator, requires_cuda
 from lpmoe.moe import kernels, permute, permute_fp8, permute_probs, permute_rows, routing_map, unpermute
 from lpmoe.reference import permute as ref
 
@@ -221,18 +221,16 @@ def _same_bits(got, want):
 
 
 def _poison_allocator(nbytes):
-    """Leave NaN bytes in the caching allocator so a kernel output the
-    kernel fails to write shows up."""
-    torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0xFF)
+    poison_allocator(max(nbytes, 1 << 21))
 
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cols", [7168, 136, 13])
+@pytest.mark.parametrize("cols", [7168, 136, 13, 1])  # 1: the one-column kernels (a value per slot)
 def test_gpu_kernels_bit_exact(dtype, cols):
     idx = _indices(300, 4, 16, drop=0.1, seed=5)
     x = torch.randn(300, cols, dtype=dtype)
-    x[0, :5] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-40]).to(dtype)
+    x[:5, 0] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-40]).to(dtype)  # (a column: cols may be 1)
     probs = torch.rand(300, 4)
     for capacity, layout in ((None, "packed"), (50, "packed"), (40, "padded")):
         rm_c = routing_map(idx, 16, capacity, layout)

@@ -22,7 +22,8 @@ void routing_map(const at::Tensor& indices, int64_t experts, int64_t capacity, b
   TORCH_CHECK(slots < (int64_t{1} << 31), "lpmoe: `indices` has ", slots, " slots; the int32 row map takes < 2^31");
   TORCH_CHECK(experts >= 1 && experts <= routing_map::kMaxExperts, "lpmoe: the routing map kernel takes 1..",
               routing_map::kMaxExperts, " experts, got ", experts);
-  TORCH_CHECK(!padded || (capacity >= 0 && experts * capacity < (int64_t{1} << 31)),
+  // (a division: experts * capacity could wrap for a huge capacity)
+  TORCH_CHECK(!padded || (capacity >= 0 && capacity <= (int64_t{1} << 31) / experts - 1),
               "lpmoe: the padded layout needs 0 <= capacity and experts * capacity < 2^31, got capacity ", capacity);
   auto check_out = [&](const at::Tensor& x, at::ScalarType dt, int64_t numel, const char* name) {
     check_same_device(x, indices, name, "indices");

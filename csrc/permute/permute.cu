@@ -5,7 +5,9 @@
 // the source row before issuing its stores, so a 128-thread CTA keeps 8 KB
 // of loads in flight.  Rows are moved as `Word`s (16 bytes when the row
 // size and the pointers allow it); typed launches convert to fp32 only when
-// they scale or sum.
+// they scale or sum.  One-column rows (a value per slot, e.g. the routing
+// probabilities) take a kernel with one thread per token instead: a CTA per
+// 4-byte row would leave 127 of its threads idle behind two barriers.
 #include "permute/permute.h"
 
 #include <cuda_bf16.h>
@@ -208,6 +210,65 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(GatherArgs a) {
   }
 }
 
+// One-column rows: thread i writes token i's k slots (and zero-fills row i
+// from *zero_from on, rows the caller promises no slot maps to), or sums
+// them for the gather.  Same arithmetic as the row kernels (fp32, multiply
+// then add, slot order), so the same bits.
+template <typename T, bool kScaled>
+__global__ void __launch_bounds__(256) scatter_column_kernel(ScatterArgs a) {
+  const T* src = static_cast<const T*>(a.src);
+  T* dst = static_cast<T*>(a.dst);
+  const int64_t first = a.zero_from != nullptr ? max(int64_t(0), min(*a.zero_from, a.out_rows)) : a.out_rows;
+  const int64_t n = a.tokens > a.out_rows ? a.tokens : a.out_rows;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    if (i < a.tokens) {
+      const T v = src[i];
+      for (int64_t j = 0; j < a.k; ++j) {
+        const int32_t r = a.row_map[i * a.k + j];
+        if (r < 0 || r >= a.out_rows) continue;
+        dst[r] = kScaled ? from_float<T>(__fmul_rn(to_float<T>(v), a.scale[i * a.k + j])) : v;
+      }
+    }
+    if (i < a.out_rows && i >= first) dst[i] = from_float<T>(0.0f);
+  }
+}
+
+template <typename T, bool kScaled>
+__global__ void __launch_bounds__(256) gather_column_kernel(GatherArgs a) {
+  const T* src = static_cast<const T*>(a.src);
+  T* dst = static_cast<T*>(a.dst);
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < a.tokens; t += int64_t(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < a.k; ++j) {
+      const int32_t r = a.row_map[t * a.k + j];
+      if (r < 0 || r >= a.src_rows) continue;
+      const float f = to_float<T>(src[r]);
+      acc = __fadd_rn(acc, kScaled ? __fmul_rn(f, a.scale[t * a.k + j]) : f);
+    }
+    dst[t] = from_float<T>(acc);
+  }
+}
+
+int column_grid(int64_t n, int sm_count) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, int64_t(sm_count) * 16)));
+}
+
+template <typename T>
+cudaError_t scatter_column(const ScatterArgs& a, int sm_count, cudaStream_t stream) {
+  const int grid = column_grid(std::max(a.tokens, a.out_rows), sm_count);
+  if (a.scale != nullptr) scatter_column_kernel<T, true><<<grid, 256, 0, stream>>>(a);
+  else scatter_column_kernel<T, false><<<grid, 256, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t gather_column(const GatherArgs& a, int sm_count, cudaStream_t stream) {
+  const int grid = column_grid(a.tokens, sm_count);
+  if (a.scale != nullptr) gather_column_kernel<T, true><<<grid, 256, 0, stream>>>(a);
+  else gather_column_kernel<T, false><<<grid, 256, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Widest word (16, 8, 4, 2, 1 bytes) dividing the row size and every pointer's alignment.
@@ -259,6 +320,14 @@ cudaError_t launch_scatter(const ScatterArgs& a, int sm_count, cudaStream_t stre
   if (a.k < 1 || a.k > kMaxSlots || a.cols < 0 || a.tokens < 0) return cudaErrorInvalidValue;
   if (a.raw && (a.scale != nullptr || a.dot_with != nullptr)) return cudaErrorInvalidValue;
   if (a.cols == 0 || (a.tokens == 0 && a.zero_from == nullptr)) return cudaSuccess;
+  if (a.cols == 1 && !a.raw && a.dot_with == nullptr) {
+    switch (a.dtype) {
+      case DType::kFloat32: return scatter_column<float>(a, sm_count, stream);
+      case DType::kBFloat16: return scatter_column<__nv_bfloat16>(a, sm_count, stream);
+      case DType::kFloat16: return scatter_column<__half>(a, sm_count, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   const int grid = grid_for(std::max(a.tokens, a.out_rows), sm_count);
   if (a.raw) {
     switch (word_bytes(a.cols * a.elem_bytes, {a.src, a.dst})) {
@@ -280,6 +349,14 @@ cudaError_t launch_scatter(const ScatterArgs& a, int sm_count, cudaStream_t stre
 cudaError_t launch_gather(const GatherArgs& a, int sm_count, cudaStream_t stream) {
   if (a.k < 1 || a.k > kMaxSlots || a.cols < 0 || a.tokens < 0) return cudaErrorInvalidValue;
   if (a.cols == 0 || a.tokens == 0) return cudaSuccess;
+  if (a.cols == 1) {
+    switch (a.dtype) {
+      case DType::kFloat32: return gather_column<float>(a, sm_count, stream);
+      case DType::kBFloat16: return gather_column<__nv_bfloat16>(a, sm_count, stream);
+      case DType::kFloat16: return gather_column<__half>(a, sm_count, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   const int grid = grid_for(a.tokens, sm_count);
   switch (a.dtype) {
     case DType::kFloat32: return gather_typed<float>(a, grid, stream);

@@ -56,6 +56,9 @@ cudaError_t launch_topk(const TopKArgs& args, int sm_count, cudaStream_t stream)
 //          + g_lse softmax(l)_e
 // where g, ga, g_lse are the gradients of probs, of the affinity sums (the
 // same for every token) and of the logsumexp; absent ones count as 0.
+// `indices` must be the forward's: k distinct experts in [0, experts) per
+// token.  Others are not checked (that would take a device flag): an
+// out-of-range index adds nothing and a repeated one keeps one slot's g.
 struct BackwardArgs {
   const void* logits = nullptr;      // (tokens, experts) row-major
   DType dtype = DType::kFloat32;

@@ -50,6 +50,9 @@ __global__ void __launch_bounds__(kThreads) count_kernel(const Args a) {
 // 2. Per expert (a lane), the exclusive prefix of counts over the chunks,
 // written in place, and the expert's total.  Each of the 32 warps sums a
 // contiguous run of chunks; the runs' sums are scanned in shared memory.
+// One CTA per 32 experts: with few experts and very many slots (16M slots
+// = 32k chunks, ~1000 dependent loads per warp) a two-level scan would
+// spread it further; at MoE sizes (<= 1M slots) it takes a few us.
 __global__ void __launch_bounds__(32 * kScanWarps) scan_kernel(const Args a) {
   __shared__ int32_t part[kScanWarps][33];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -10,7 +10,7 @@ shapes; CPU tensors run the bit-exact reference through the same ops):
 * ``grouped_gemm``, ``grouped_gemm_out`` (``out=``, ``accumulate``)
 * ``activation_forward``, ``activation_backward``
 * ``permute_scatter``, ``permute_gather``           MoE token permutation
-* ``router_topk``                                  fused router scores / top-k
+* ``router_topk``, ``router_backward``             fused router scores / top-k and their gradient
 * ``routing_map``                                  slot -> grouped row (MoE routing)
 
 Layers, with autograd registered (``register_autograd``):
@@ -36,4 +36,4 @@ OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group
             "grouped_gemm_out", "activation_forward", "activation_backward", "grouped_linear",
             "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "grouped_mlp_backward_fc1",
             "permute_scatter", "permute_gather",
-            "router_topk", "routing_map")
+            "router_topk", "router_backward", "routing_map")

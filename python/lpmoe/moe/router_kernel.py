@@ -87,6 +87,9 @@ class _FusedScores(torch.autograd.Function):
         probs, idx, lse, aff, counts = (_router_topk(logits, k, sigmoid, normalize) if tracing()
                                         else _impl(logits, k, sigmoid, normalize))
         ctx.mark_non_differentiable(idx, counts)
+        # unused outputs' gradients stay None (the kernel reads them as 0)
+        # instead of zero tensors made and filled for each
+        ctx.set_materialize_grads(False)
         ctx.sigmoid, ctx.normalize = sigmoid, normalize
         ctx.save_for_backward(logits, idx)
         return probs, idx, lse, aff, counts

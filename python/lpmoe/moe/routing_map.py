@@ -87,7 +87,7 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, capacity: Optional
     if n >= 2 ** 31:
         raise ValueError(f"tokens * top_k = {n} slots exceed the int32 row map")
     padded = layout == "padded"
-    if padded and num_experts * capacity >= 2 ** 31:
+    if padded and capacity > 2 ** 31 // num_experts - 1:  # (the binding's bound)
         raise ValueError(f"num_experts * capacity = {num_experts * capacity} rows exceed the int32 row map")
     args = (idx.reshape(-1), num_experts, -1 if capacity is None else capacity, padded)
     if tracing():
