@@ -49,6 +49,16 @@ inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const 
               ref_name, "` is on ", ref.device());
 }
 
+// A tensor a kernel indexes as a dense array: on ref's device, of dtype
+// `dt`, contiguous, exactly `numel` elements.
+inline void check_dense(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name,
+                        at::ScalarType dt, int64_t numel) {
+  check_same_device(t, ref, name, ref_name);
+  TORCH_CHECK(t.scalar_type() == dt && t.is_contiguous() && t.numel() == numel, "lpmoe: `", name,
+              "` must be a contiguous ", dt, " tensor of ", numel, " elements, got ", t.scalar_type(), " ",
+              t.numel());
+}
+
 // A buffer a kernel reads or writes with vector accesses: contiguous, on the
 // reference device, 16-byte aligned, of the expected element size, and at
 // least `min_numel` elements long.

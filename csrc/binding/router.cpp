@@ -23,13 +23,8 @@ void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normali
   TORCH_CHECK(e >= 1 && e <= router::kMaxExperts && k >= 1 && k <= router::kMaxTopK && k <= e,
               "lpmoe: the fused router takes 1..", router::kMaxExperts, " experts and 1..", router::kMaxTopK,
               " <= experts slots, got ", e, " experts, k ", k);
-  auto check_out = [&](const at::Tensor& x, at::ScalarType dt, int64_t numel, const char* name) {
-    check_same_device(x, logits, name, "logits");
-    TORCH_CHECK(x.scalar_type() == dt && x.is_contiguous() && x.numel() == numel, "lpmoe: `", name,
-                "` must be a contiguous ", dt, " tensor of ", numel, " elements");
-  };
-  check_out(probs, at::kFloat, t * k, "probs");
-  check_out(indices, at::kLong, t * k, "indices");
+  check_dense(probs, logits, "probs", "logits", at::kFloat, t * k);
+  check_dense(indices, logits, "indices", "logits", at::kLong, t * k);
   router::TopKArgs a;
   a.logits = logits.data_ptr();
   a.dtype = to_hp_dtype(logits.scalar_type(), "logits");
@@ -41,15 +36,15 @@ void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normali
   a.probs = probs.data_ptr<float>();
   a.indices = indices.data_ptr<int64_t>();
   if (lse.has_value()) {
-    check_out(*lse, at::kFloat, t, "lse");
+    check_dense(*lse, logits, "lse", "logits", at::kFloat, t);
     a.lse = lse->data_ptr<float>();
   }
   if (affinity.has_value()) {
-    check_out(*affinity, at::kFloat, router_grid_size(t) * e, "affinity");
+    check_dense(*affinity, logits, "affinity", "logits", at::kFloat, router_grid_size(t) * e);
     a.affinity = affinity->data_ptr<float>();
   }
   if (counts.has_value()) {
-    check_out(*counts, at::kInt, router_grid_size(t) * e, "counts");
+    check_dense(*counts, logits, "counts", "logits", at::kInt, router_grid_size(t) * e);
     a.counts = counts->data_ptr<int32_t>();
   }
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -70,13 +65,8 @@ void router_backward(const at::Tensor& logits, const at::Tensor& indices, const 
   TORCH_CHECK(e >= 1 && e <= router::kMaxExperts && k >= 1 && k <= router::kMaxTopK && k <= e,
               "lpmoe: the router backward takes 1..", router::kMaxExperts, " experts and 1..", router::kMaxTopK,
               " <= experts slots, got ", e, " experts, k ", k);
-  auto check_in = [&](const at::Tensor& x, at::ScalarType dt, int64_t numel, const char* name) {
-    check_same_device(x, logits, name, "logits");
-    TORCH_CHECK(x.scalar_type() == dt && x.is_contiguous() && x.numel() == numel, "lpmoe: `", name,
-                "` must be a contiguous ", dt, " tensor of ", numel, " elements");
-  };
-  check_in(indices, at::kLong, t * k, "indices");
-  check_in(grad_logits, logits.scalar_type(), t * e, "grad_logits");
+  check_dense(indices, logits, "indices", "logits", at::kLong, t * k);
+  check_dense(grad_logits, logits, "grad_logits", "logits", logits.scalar_type(), t * e);
   router::BackwardArgs a;
   a.logits = logits.data_ptr();
   a.dtype = to_hp_dtype(logits.scalar_type(), "logits");
@@ -87,15 +77,15 @@ void router_backward(const at::Tensor& logits, const at::Tensor& indices, const 
   a.normalize = normalize;
   a.indices = indices.data_ptr<int64_t>();
   if (grad_probs.has_value()) {
-    check_in(*grad_probs, at::kFloat, t * k, "grad_probs");
+    check_dense(*grad_probs, logits, "grad_probs", "logits", at::kFloat, t * k);
     a.grad_probs = grad_probs->data_ptr<float>();
   }
   if (grad_lse.has_value()) {
-    check_in(*grad_lse, at::kFloat, t, "grad_lse");
+    check_dense(*grad_lse, logits, "grad_lse", "logits", at::kFloat, t);
     a.grad_lse = grad_lse->data_ptr<float>();
   }
   if (grad_affinity.has_value()) {
-    check_in(*grad_affinity, at::kFloat, e, "grad_affinity");
+    check_dense(*grad_affinity, logits, "grad_affinity", "logits", at::kFloat, e);
     a.grad_affinity = grad_affinity->data_ptr<float>();
   }
   a.grad_logits = grad_logits.data_ptr();

@@ -25,20 +25,14 @@ void routing_map(const at::Tensor& indices, int64_t experts, int64_t capacity, b
   // (a division: experts * capacity could wrap for a huge capacity)
   TORCH_CHECK(!padded || (capacity >= 0 && capacity <= (int64_t{1} << 31) / experts - 1),
               "lpmoe: the padded layout needs 0 <= capacity and experts * capacity < 2^31, got capacity ", capacity);
-  auto check_out = [&](const at::Tensor& x, at::ScalarType dt, int64_t numel, const char* name) {
-    check_same_device(x, indices, name, "indices");
-    TORCH_CHECK(x.scalar_type() == dt && x.is_contiguous() && x.numel() == numel, "lpmoe: `", name,
-                "` must be a contiguous ", dt, " tensor of ", numel, " elements, got ", x.scalar_type(), " ",
-                x.numel());
-  };
-  check_out(counts, at::kInt, routing_map::chunks(slots) * experts, "counts");
-  check_out(totals, at::kInt, experts, "totals");
-  check_out(row_map, at::kInt, slots, "row_map");
-  check_out(m_splits, at::kLong, experts, "m_splits");
-  check_out(dropped, at::kLong, 1, "dropped");
+  check_dense(counts, indices, "counts", "indices", at::kInt, routing_map::chunks(slots) * experts);
+  check_dense(totals, indices, "totals", "indices", at::kInt, experts);
+  check_dense(row_map, indices, "row_map", "indices", at::kInt, slots);
+  check_dense(m_splits, indices, "m_splits", "indices", at::kLong, experts);
+  check_dense(dropped, indices, "dropped", "indices", at::kLong, 1);
   routing_map::Args a;
   if (used.has_value()) {
-    check_out(*used, at::kLong, 1, "used");
+    check_dense(*used, indices, "used", "indices", at::kLong, 1);
     a.used = used->data_ptr<int64_t>();
   }
   a.indices = indices.data_ptr();

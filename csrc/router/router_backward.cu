@@ -1,9 +1,6 @@
 // The router's backward (topk_router.h, BackwardArgs): one warp per token,
 // experts in registers as in the forward; no shared memory, no atomics, so
 // each token's gradient is computed in a fixed order (deterministic).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "router/topk_router.h"
 #include "router/warp_scores.cuh"
 
@@ -82,17 +79,6 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(BackwardArgs a) {
   }
 }
 
-template <typename T>
-cudaError_t launch_typed(const BackwardArgs& a, int grid, cudaStream_t stream) {
-  const int per_lane = (a.experts + 31) / 32;
-  if (per_lane <= 1) backward_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
-  else if (per_lane <= 2) backward_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a);
-  else if (per_lane <= 4) backward_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
-  else if (per_lane <= 8) backward_kernel<T, 8><<<grid, kThreads, 0, stream>>>(a);
-  else backward_kernel<T, 16><<<grid, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t launch_backward(const BackwardArgs& a, int sm_count, cudaStream_t stream) {
@@ -100,12 +86,10 @@ cudaError_t launch_backward(const BackwardArgs& a, int sm_count, cudaStream_t st
     return cudaErrorInvalidValue;
   if (a.tokens == 0) return cudaSuccess;
   const int grid = grid_size(a.tokens, sm_count);
-  switch (a.dtype) {
-    case DType::kFloat32: return launch_typed<float>(a, grid, stream);
-    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(a, grid, stream);
-    case DType::kFloat16: return launch_typed<__half>(a, grid, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return detail::dispatch_logits(a.dtype, a.experts, [&]<typename T, int kPerLane>() {
+    backward_kernel<T, kPerLane><<<grid, kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace router

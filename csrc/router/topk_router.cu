@@ -3,9 +3,6 @@
 // the k argmax rounds and the affinity sums never leave the warp.
 #include "router/topk_router.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <cfloat>
 
@@ -107,17 +104,6 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(TopKArgs a) {
   }
 }
 
-template <typename T>
-cudaError_t launch_typed(const TopKArgs& a, int grid, cudaStream_t stream) {
-  const int per_lane = (a.experts + 31) / 32;
-  if (per_lane <= 1) topk_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
-  else if (per_lane <= 2) topk_kernel<T, 2><<<grid, kThreads, 0, stream>>>(a);
-  else if (per_lane <= 4) topk_kernel<T, 4><<<grid, kThreads, 0, stream>>>(a);
-  else if (per_lane <= 8) topk_kernel<T, 8><<<grid, kThreads, 0, stream>>>(a);
-  else topk_kernel<T, 16><<<grid, kThreads, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 int grid_size(int64_t tokens, int sm_count) {
@@ -129,12 +115,10 @@ cudaError_t launch_topk(const TopKArgs& a, int sm_count, cudaStream_t stream) {
   if (a.experts < 1 || a.experts > kMaxExperts || a.k < 1 || a.k > kMaxTopK || a.k > a.experts || a.tokens < 0)
     return cudaErrorInvalidValue;
   const int grid = grid_size(a.tokens, sm_count);
-  switch (a.dtype) {
-    case DType::kFloat32: return launch_typed<float>(a, grid, stream);
-    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(a, grid, stream);
-    case DType::kFloat16: return launch_typed<__half>(a, grid, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return detail::dispatch_logits(a.dtype, a.experts, [&]<typename T, int kPerLane>() {
+    topk_kernel<T, kPerLane><<<grid, kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace router

@@ -5,7 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
 
+#include "common/dtypes.h"
 #include "common/numerics.cuh"
 
 namespace lpmoe {
@@ -47,6 +51,27 @@ __device__ __forceinline__ void token_scores(const T* row, int lane, int experts
   for (int v = 0; v < kPerLane; ++v) {
     const bool real = lane + 32 * v < experts;
     s[v] = !real ? 0.0f : sigmoid ? 1.0f / (1.0f + expf(-l[v])) : expf(l[v] - m) / sum;
+  }
+}
+
+// Runs launch.template operator()<T, kPerLane>() for the logits' element type
+// T and the register slots per lane (1, 2, 4, 8 or 16) the expert count
+// needs: the one instantiation choice of the forward and backward kernels.
+template <typename Launch>
+cudaError_t dispatch_logits(DType dtype, int experts, Launch&& launch) {
+  auto by_width = [&]<typename T>() -> cudaError_t {
+    const int per_lane = (experts + 31) / 32;
+    if (per_lane <= 1) return launch.template operator()<T, 1>();
+    if (per_lane <= 2) return launch.template operator()<T, 2>();
+    if (per_lane <= 4) return launch.template operator()<T, 4>();
+    if (per_lane <= 8) return launch.template operator()<T, 8>();
+    return launch.template operator()<T, 16>();
+  };
+  switch (dtype) {
+    case DType::kFloat32: return by_width.template operator()<float>();
+    case DType::kBFloat16: return by_width.template operator()<__nv_bfloat16>();
+    case DType::kFloat16: return by_width.template operator()<__half>();
+    default: return cudaErrorInvalidValue;
   }
 }
 
