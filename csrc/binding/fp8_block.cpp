@@ -15,7 +15,7 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
                         const c10::optional<at::Tensor>& out_col_data,
                         const c10::optional<at::Tensor>& out_col_scale, bool pad_columnwise_tokens,
                         const c10::optional<at::Tensor>& noop, const c10::optional<at::Tensor>& dbias_workspace,
-                        int64_t max_row_tiles) {
+                        int64_t max_row_tiles, const c10::optional<at::Tensor>& row_source) {
   check_cuda(input, "x");
   check_contiguous(input, "x");
   TORCH_CHECK(input.dim() == 2, "lpmoe: `x` must be 2-D");
@@ -25,7 +25,18 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
   if (noop.has_value()) {
     TORCH_CHECK(noop->scalar_type() == at::kFloat && noop->numel() >= 1, "lpmoe: `noop_flag` must be a float32 tensor");
   }
-  const int64_t rows = input.size(0), cols = input.size(1);
+  // With row_source the grouped input has row_source.size(0) rows, row r
+  // read from input row row_source[r] (QuantizeArgs::row_source).
+  const int64_t cols = input.size(1);
+  int64_t rows = input.size(0);
+  if (row_source.has_value()) {
+    check_same_device(*row_source, input, "row_source", "x");
+    TORCH_CHECK(row_source->scalar_type() == at::kInt && row_source->dim() == 1 && row_source->is_contiguous(),
+                "lpmoe: `row_source` must be a contiguous 1-D int32 tensor, got ", row_source->scalar_type(), " ",
+                row_source->sizes());
+    TORCH_CHECK(input.size(0) < (int64_t(1) << 31), "lpmoe: a gathered quantize's source rows must fit int32");
+    rows = row_source->size(0);
+  }
   if (out_data.has_value()) {
     check_buffer(*out_data, input, "output.rowwise_data", 1, rows * cols);
     check_buffer(*out_scale, input, "output.scale_inv", 4, 0);
@@ -43,9 +54,13 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
   fp8_block::QuantizeArgs a;
   a.input = input.data_ptr();
   a.input_dtype = to_hp_dtype(input.scalar_type(), "x");
-  a.rows = input.size(0);
-  a.cols = input.size(1);
+  a.rows = rows;
+  a.cols = cols;
   a.group = group_rows_arg(padded_row_offsets, num_tensors, input);
+  if (row_source.has_value()) {
+    a.row_source = row_source->data_ptr<int32_t>();
+    a.source_rows = input.size(0);
+  }
   a.e5m2 = e5m2;
   a.block_dim = static_cast<int>(block_dim);
   a.pow2_scales = pow2_scales;

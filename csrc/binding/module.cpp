@@ -13,8 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // BINDING_VERSION in python/lpmoe/_ext.py, which refuses an extension
   // built from other sources with an error that says to rebuild (instead of
   // a wrong-type failure deep in a layer).  2: splits_to_offsets returns the
-  // bulk buffer alone.  3: routing_map, router_backward.
-  m.attr("BINDING_VERSION") = 3;
+  // bulk buffer alone.  3: routing_map, router_backward.  4:
+  // fp8_block_quantize's row_source (rows gathered from a token matrix),
+  // permute_row_sources.
+  m.attr("BINDING_VERSION") = 4;
   m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
         py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
         py::arg("second"), py::arg("capacity_rows"),
@@ -34,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("activation_dram_bytes_per_sm_cycle", &lpmoe::binding::activation_dram_bytes_per_sm_cycle);
   m.def("permute_scatter", &lpmoe::binding::permute_scatter);
   m.def("permute_gather", &lpmoe::binding::permute_gather);
+  m.def("permute_row_sources", &lpmoe::binding::permute_row_sources);
   m.def("router_grid_size", &lpmoe::binding::router_grid_size);
   m.def("router_topk", &lpmoe::binding::router_topk);
   m.def("router_backward", &lpmoe::binding::router_backward);

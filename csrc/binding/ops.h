@@ -26,7 +26,7 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
                         const c10::optional<at::Tensor>& out_col_data,
                         const c10::optional<at::Tensor>& out_col_scale, bool pad_columnwise_tokens,
                         const c10::optional<at::Tensor>& noop, const c10::optional<at::Tensor>& dbias_workspace,
-                        int64_t max_row_tiles);
+                        int64_t max_row_tiles, const c10::optional<at::Tensor>& row_source);
 // Launch counts of the quantize kernels: (persistent, tile, tile_columns);
 // tests use them to prove which kernel a call took.
 std::tuple<int64_t, int64_t, int64_t> fp8_block_quantize_kernel_launches();
@@ -90,6 +90,7 @@ void permute_scatter(const at::Tensor& src, const at::Tensor& row_map, const c10
                      const c10::optional<at::Tensor>& dot_with, const c10::optional<at::Tensor>& dot_out, bool raw);
 void permute_gather(const at::Tensor& src, const at::Tensor& row_map, const c10::optional<at::Tensor>& scale,
                     const at::Tensor& dst);
+void permute_row_sources(const at::Tensor& row_map, const at::Tensor& row_source);
 
 // Routing map: slot -> grouped row (csrc/routing_map); see lpmoe/moe/routing_map.py.
 int64_t routing_map_chunks(int64_t slots);

@@ -113,5 +113,24 @@ void permute_gather(const at::Tensor& src, const at::Tensor& row_map, const c10:
   LPMOE_CHECK_LAUNCH(permute::launch_gather(a, sm_count(), current_stream()), "permute gather");
 }
 
+void permute_row_sources(const at::Tensor& row_map, const at::Tensor& row_source) {
+  check_cuda(row_map, "row_map");
+  check_map(row_map, c10::nullopt, row_map, row_map.size(0));
+  check_same_device(row_source, row_map, "row_source", "row_map");
+  TORCH_CHECK(row_source.scalar_type() == at::kInt && row_source.dim() == 1 && row_source.is_contiguous(),
+              "lpmoe: `row_source` must be a contiguous 1-D int32 tensor, got ", row_source.scalar_type(), " ",
+              row_source.sizes());
+  TORCH_CHECK(row_source.size(0) < (int64_t(1) << 31) && row_map.size(0) < (int64_t(1) << 31),
+              "lpmoe: permutation rows and tokens must fit int32");
+  permute::RowSourcesArgs a;
+  a.row_map = row_map.data_ptr<int32_t>();
+  a.row_source = row_source.data_ptr<int32_t>();
+  a.tokens = row_map.size(0);
+  a.k = row_map.size(1);
+  a.rows = row_source.size(0);
+  const c10::cuda::CUDAGuard guard(row_map.device());
+  LPMOE_CHECK_LAUNCH(permute::launch_row_sources(a, sm_count(), current_stream()), "permute row sources");
+}
+
 }  // namespace binding
 }  // namespace lpmoe

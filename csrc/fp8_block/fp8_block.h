@@ -46,6 +46,15 @@ struct QuantizeArgs {
   const float* noop = nullptr;  // *noop == 1 -> write nothing
   float* dbias_workspace = nullptr;  // (max_row_tiles, K) fp32 partial column sums, or null
   int64_t max_row_tiles = 0;    // grid bound: number of 128-row tiles in pad128 space
+  // Rows gathered from a token matrix (an MoE permutation fused into the
+  // quantization): logical row r of the grouped input is row row_source[r]
+  // of `input` (source_rows x K), a zero row where row_source[r] is outside
+  // [0, source_rows) (rows no slot was routed to).  Null: row r of `input`.
+  // Taken by the one-tile-per-CTA kernels; launch_quantize refuses it where
+  // it would pick the persistent kernel (fp32 input, an unpadded transposed
+  // copy of M % 8 != 0 tokens).
+  const int32_t* row_source = nullptr;
+  int64_t source_rows = 0;
 };
 
 cudaError_t launch_quantize(const QuantizeArgs& args, cudaStream_t stream);

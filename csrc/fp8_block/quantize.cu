@@ -24,6 +24,30 @@ std::atomic<int64_t> g_launches[static_cast<int>(QuantizeKernel::kCount)];
 
 void count_launch(QuantizeKernel k) { g_launches[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 
+// Row of `input` that logical row r reads (QuantizeArgs::row_source), or -1
+// for a zero row.
+__device__ __forceinline__ int64_t source_row(const QuantizeArgs& a, int64_t r) {
+  if (a.row_source == nullptr) return r;
+  const int32_t s = a.row_source[r];
+  return (s >= 0 && s < a.source_rows) ? s : -1;
+}
+
+// This thread's 8 rows x 8 columns of tile (ti, col0), zeros outside the
+// member, the matrix or the routed rows.
+template <typename IType>
+__device__ __forceinline__ void load_tile_part(const QuantizeArgs& args, const TileInfo& ti, int64_t col0,
+                                               RawVec8<IType> (&raw)[kRowsPerThread]) {
+  const TilePart p;
+  const bool col_ok = p.col() < args.cols - col0;
+  const IType* in = static_cast<const IType*>(args.input);
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int64_t src = (col_ok && p.row(r) < ti.rows_valid) ? source_row(args, ti.row0 + p.row(r)) : -1;
+    if (src >= 0) load_vec8<IType>(in + src * args.cols + col0 + p.col(), raw[r]);
+    else zero_vec8<IType>(raw[r]);
+  }
+}
+
 // ---- one tile per CTA (2D blocks and rowwise-only output: measured faster
 // this way, docs/perf-notes.md) --------------------------------------------
 template <typename IType, bool kE5M2, int kBlockDim>
@@ -38,20 +62,8 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const Quanti
   TileInfo ti;
   if (!locate_tile(args.group, args.rows, j, ti)) return;
   const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
-  const int c = threadIdx.x & 15;
-  const int g = threadIdx.x >> 4;
-  const bool col_ok = c * kVec < K - col0;
-  const IType* in = static_cast<const IType*>(args.input);
   RawVec8<IType> raw[kRowsPerThread];
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int row = g * kRowsPerThread + r;
-    if (col_ok && row < ti.rows_valid) {
-      load_vec8<IType>(in + (ti.row0 + row) * K + col0 + c * kVec, raw[r]);
-    } else {
-      zero_vec8<IType>(raw[r]);
-    }
-  }
+  load_tile_part<IType>(args, ti, col0, raw);
   process_tile<IType, kE5M2, kBlockDim>(args, ti, j, tile_x, raw, sm);
 }
 
@@ -75,17 +87,8 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_columns_kernel(cons
   const int g = threadIdx.x >> 4;
   const int lane = threadIdx.x & 31;
   const bool col_ok = c * kVec < K - col0;
-  const IType* in = static_cast<const IType*>(args.input);
   RawVec8<IType> raw[kRowsPerThread];
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int row = g * kRowsPerThread + r;
-    if (col_ok && row < ti.rows_valid) {
-      load_vec8<IType>(in + (ti.row0 + row) * K + col0 + c * kVec, raw[r]);
-    } else {
-      zero_vec8<IType>(raw[r]);
-    }
-  }
+  load_tile_part<IType>(args, ti, col0, raw);
   const uint32_t tile = static_cast<uint32_t>(__cvta_generic_to_shared(staged));
   stage_swizzled_tile<IType>(tile, raw, c, g);
   // same sums, same order as process_tile: the fused activation's dbias matches
@@ -175,6 +178,7 @@ cudaError_t launch_typed(const QuantizeArgs& a, int64_t tiles, cudaStream_t stre
         return cudaGetLastError();
       }
     }
+    if (a.row_source != nullptr) return cudaErrorInvalidValue;  // (see QuantizeArgs::row_source)
     count_launch(QuantizeKernel::kPersistent);
     return launch_persistent<IType, kE5M2>(a, tiles, stream);
   }

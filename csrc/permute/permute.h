@@ -52,8 +52,17 @@ struct GatherArgs {
   DType dtype = DType::kBFloat16;   // bf16, fp16 or fp32
 };
 
+// Inverse of a routing map: row_source[r] = t for the slot (t, j) with
+// row_map[t, j] == r, -1 for rows no slot names (the launch fills them).
+struct RowSourcesArgs {
+  const int32_t* row_map = nullptr;  // (tokens, k)
+  int32_t* row_source = nullptr;     // (rows,)
+  int64_t tokens = 0, k = 1, rows = 0;
+};
+
 cudaError_t launch_scatter(const ScatterArgs& args, int sm_count, cudaStream_t stream);
 cudaError_t launch_gather(const GatherArgs& args, int sm_count, cudaStream_t stream);
+cudaError_t launch_row_sources(const RowSourcesArgs& args, int sm_count, cudaStream_t stream);
 
 }  // namespace permute
 }  // namespace lpmoe
