@@ -91,13 +91,40 @@ def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None,
         q.pow2_scales, q.amax_epsilon,
         out.rowwise_data if q.rowwise else None, out.scale_inv if q.rowwise else None,
         out.columnwise_data if q.columnwise else None, out.columnwise_scale_inv if q.columnwise else None,
-        True, noop_flag, ws, tiles)
+        True, noop_flag, ws, tiles, None)
     if with_dbias:
         if rows == 0 or k == 0:
             dbias.zero_()
         else:
             ext().fp8_block_dbias_reduce(ws, g.padded_row_offsets, g.num_tensors, rows, dbias, noop_flag)
     return out, dbias
+
+
+def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: torch.Tensor,
+                    q: Float8BlockQuantizer) -> GroupedTensor:
+    """group_quantize of the grouped rows ``tokens[row_source[r]]`` (a zero
+    row where row_source[r] is -1), members ``first_dims``, read straight
+    from ``tokens`` (the kernels' QuantizeArgs::row_source): the rows are
+    never made.  bf16/fp16 tokens (the kernels that gather)."""
+    rows, k = row_source.shape[0], tokens.shape[1]
+    _check_k(k)
+    if tokens.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"tokens must be bfloat16 or float16 to be quantized as they are gathered, got "
+                        f"{tokens.dtype}")
+    if tokens.data_ptr() % 16:
+        raise ValueError("tokens must be 16-byte aligned")
+    # The group's layout (members, offsets) without data of its own: a
+    # zero-stride placeholder stands in for the (rows, k) input it describes.
+    layout = GroupedTensor(num_tensors=first_dims.numel(), logical_shape=(rows, k), dtype=tokens.dtype,
+                           rowwise_data=tokens.new_empty(1).expand(rows * k), first_dims=first_dims)
+    out = allocate(q, layout)
+    ext().fp8_block_quantize(
+        tokens, layout.padded_row_offsets, layout.num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim,
+        q.pow2_scales, q.amax_epsilon,
+        out.rowwise_data if q.rowwise else None, out.scale_inv if q.rowwise else None,
+        out.columnwise_data if q.columnwise else None, out.columnwise_scale_inv if q.columnwise else None,
+        True, None, None, max_row_tiles(layout), row_source)
+    return out
 
 
 def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype) -> GroupedTensor:
@@ -132,7 +159,7 @@ def quantize_single(x: torch.Tensor, q: Float8BlockQuantizer) -> Fp8BlockQuantiz
         if q.columnwise else None
     if m and k:
         ext().fp8_block_quantize(x, None, 1, q.fp8_dtype == torch.float8_e5m2, q.block_dim, q.pow2_scales,
-                                 q.amax_epsilon, data, scale, cdata, cscale, False, None, None, cdiv(m, 128))
+                                 q.amax_epsilon, data, scale, cdata, cscale, False, None, None, cdiv(m, 128), None)
     elif scale is not None:
         scale.zero_()  # only padding entries exist (e.g. M=0 < round_up(M,4) is 0; K=0 has none)
     return Fp8BlockQuantized(data=data, scale_inv=scale, columnwise_data=cdata, columnwise_scale_inv=cscale,

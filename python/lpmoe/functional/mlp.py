@@ -37,6 +37,7 @@ from lpmoe.functional.linear import needs_of
 from lpmoe.functional.linear_steps import (backward_steps, bias_step, dgrad_step, fused_wgrad_results, linear_forward,
                                            main_grads_of, wgrad_step)
 from lpmoe.functional.params import Params, as_inputs, from_inputs, grads_for, input_count, is_stacked
+from lpmoe.functional.row_source import RowSource
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
 from lpmoe.grouped_tensor import GroupedTensor, shares_offsets
@@ -107,15 +108,18 @@ SAVED = ("x1", "w1", "probs", "w2", "h", "x2")
 
 
 @shares_offsets
-def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig):
-    """y and the saved objects (SAVED order)."""
+def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig, source: Optional[RowSource] = None):
+    """y and the saved objects (SAVED order).  With ``source`` fc1's input
+    is quantized from ``source``'s tokens (x2d) as it is gathered."""
     w1, b1, used = split_params(params, cfg.fc1)
     w2, b2, _ = split_params(params[used:], cfg.fc2)
     need1, need2, need_probs = cfg.needs
     need_act = need2.dgrad
     spec = cfg.spec
     ws1 = WeightSource(w1, cfg.fc1.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
-    h, fw1 = linear_forward(cfg.fc1.policy, Tokens(hp=x2d), ws1, b1, splits, need1)
+    x1 = Tokens(gathered=source) if source is not None else Tokens(hp=x2d)
+    h, fw1 = linear_forward(cfg.fc1.policy, x1, ws1, b1, splits, need1)
+    del x1
     write_hp, q_act = cfg.fc2.policy.activation_output(need2)
     act = kernels.forward(h, spec, probs, splits.device, write_hp=write_hp or q_act is None, quantizer=q_act)
     ws2 = WeightSource(w2, cfg.fc2.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
@@ -225,8 +229,8 @@ class _GroupedMLP(torch.autograd.Function):
     implementation as the op ``lpmoe::grouped_mlp``, lpmoe.library.layer_ops)."""
 
     @staticmethod
-    def forward(ctx, x2d, probs, splits, cfg: MLPConfig, *params):
-        y, objs = mlp_forward_impl(x2d, probs, splits, params, cfg)
+    def forward(ctx, x2d, probs, splits, cfg: MLPConfig, source: Optional[RowSource], *params):
+        y, objs = mlp_forward_impl(x2d, probs, splits, params, cfg, source)
         x1, w1s, p, sw2, h, sx2 = objs
         # Parameters and the caller's tensors go through save_for_backward;
         # what this function made (h, the quantized copies) is held, so the
@@ -240,6 +244,7 @@ class _GroupedMLP(torch.autograd.Function):
         ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)
         ctx.dtype = x2d.dtype
+        ctx.source = source
         return y
 
     @staticmethod
@@ -258,12 +263,15 @@ class _GroupedMLP(torch.autograd.Function):
         dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads = mlp_backward_impl(
             grad_out, take, ctx.splits, cfg, ctx.dtype, tuple(None if w is None else main_grads_of(w)
                                                               for w in (fused1, fused2)))
+        if ctx.source is not None and dx is not None:  # the rows' gradient back to the tokens
+            dx = ctx.source.grad_to_tokens(dx)
+        ctx.source = None
         need1, need2, _ = cfg.needs
         if fused1 is not None and need1.wgrad:
             w1_grads = fused_wgrad_results(fused1)
         if fused2 is not None and need2.wgrad:
             w2_grads = fused_wgrad_results(fused2)
-        return tuple(mlp_grads_list(cfg, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads, extra_none=2))
+        return tuple(mlp_grads_list(cfg, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads, extra_none=3))
 
 
 def mlp_grads_list(cfg: MLPConfig, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads, extra_none: int) -> list:
@@ -279,10 +287,9 @@ def mlp_grads_list(cfg: MLPConfig, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_
     return grads
 
 
-def _check_probs(probs, inp: torch.Tensor) -> Optional[torch.Tensor]:
+def _check_probs(probs, inp: torch.Tensor, lead: tuple) -> Optional[torch.Tensor]:
     if probs is None:
         return None
-    lead = tuple(inp.shape[:-1])
     if not isinstance(probs, torch.Tensor) or tuple(probs.shape) not in (lead, lead + (1,)):
         got = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
         raise ValueError(f"probs must have one value per token row, shape {lead}, got {got}")
@@ -318,7 +325,7 @@ def _check_fc2(inp, fc2: LayerParams, g: int, hidden: int, ffn: int) -> None:
     check_params(inp.new_empty((0, ffn)), ws, fc2.biases)
 
 
-def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams, *,
+def grouped_mlp(inp: Union[torch.Tensor, RowSource], m_splits, fc1: LayerParams, fc2: LayerParams, *,
                 activation: Union[str, Activation] = "swiglu", probs: Optional[torch.Tensor] = None,
                 recipe: Optional[Recipe] = None, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
     """Expert MLP ``fc2(act(fc1(x)) * probs)`` with the activation fused (see
@@ -328,8 +335,14 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
         inp: (tokens, hidden) or (..., hidden) grouped by expert, as for
             :func:`lpmoe.functional.grouped_linear` (rows past sum(m_splits)
             are a capacity tail: output and input-gradient rows there are 0).
+            Or a RowSource (lpmoe.moe.RoutedTokens: tokens plus their
+            routing map) standing for those rows: under FP8 block scaling
+            fc1's input is then quantized as it is gathered from the tokens
+            (the rows are never made), else the rows are made first; the
+            gradient goes to the tokens and the output is the rows'
+            (num_rows, hidden).
         m_splits: tokens per expert (CUDA int tensor: graph-safe; list / CPU
-            tensor: host path).
+            tensor: host path).  None with a RowSource (its counts).
         fc1: G weights (W, hidden) with W = 2*ffn for GLU activations (gate
             rows first), biases optional.  fc2: G weights (hidden, ffn).
         activation: "swiglu" (default), "geglu", "gelu", "relu",
@@ -339,9 +352,17 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
         recipe: as for grouped_linear (None: the active lpmoe.autocast recipe).
         is_first_microbatch: FP8 weight caching of both layers (needs their
             weight caches; see grouped_linear).
-    Returns (..., hidden) in the input's dtype.  Errors are raised before any
-    GPU work.
+    Returns (..., hidden) in the input's dtype ((num_rows, hidden) for a
+    RowSource).  Errors are raised before any GPU work.
     """
+    source = None
+    routed = isinstance(inp, RowSource)  # then the output is the rows' (num_rows, hidden)
+    if routed:
+        source, inp = inp, inp.tokens
+        if m_splits is not None:
+            raise ValueError("with routed tokens (a RowSource) m_splits must be None: the rows per expert are "
+                             "the routing map's")
+        m_splits = source.m_splits
     inp, m_splits, probs = ready(inp), ready(m_splits), ready(probs)
     fc1, fc2 = _layer(fc1, "fc1"), _layer(fc2, "fc2")
     spec = parse_activation(activation)
@@ -353,8 +374,9 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
     if recipe is None:
         recipe = get_autocast_recipe()
     x2d = inp.reshape(-1, hidden)
-    p = _check_probs(probs, inp)
-    splits = (splits_for_checks if tracing() else parse_splits)(m_splits, g, x2d.shape[0], inp.device)
+    rows = source.num_rows if source is not None else x2d.shape[0]
+    p = _check_probs(probs, inp, (rows,) if source is not None else tuple(inp.shape[:-1]))
+    splits = (splits_for_checks if tracing() else parse_splits)(m_splits, g, rows, inp.device)
     check_recipe(recipe, inp.dtype, w, hidden, splits, inp.is_cuda, inp.device)
     check_recipe(recipe, inp.dtype, hidden, ffn, splits, inp.is_cuda, inp.device)
     if inp.is_cuda and inp.dtype != torch.float32 and ffn % 16:
@@ -369,10 +391,14 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
                 check_main_grads(lp.weights)
     grad_enabled = torch.is_grad_enabled()
     needs = mlp_needs(inp, p, fc1, fc2, grad_enabled)
+    policy = policy_for(recipe)
+    if source is not None:
+        q = policy.input_quantizer(needs[0])
+        if q is None or not source.can_quantize(q):
+            x2d, source = source.rows(), None  # this recipe (or the traced call) reads the rows themselves
     if tracing():  # (the op counts its own runs: lpmoe.library.layer_ops.CALLS)
         out = OPS["grouped_mlp"](x2d.contiguous(), p, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs)
-        return out.view(*inp.shape[:-1], hidden)
-    policy = policy_for(recipe)
+        return out if routed else out.view(*inp.shape[:-1], hidden)
     l1 = _Layer(policy, g, fc1.biases is not None, fc1.weight_cache, fc1.fuse_wgrad_accumulation,
                 (g, w, hidden), is_stacked(fc1.weights))
     l2 = _Layer(policy, g, fc2.biases is not None, fc2.weight_cache, fc2.fuse_wgrad_accumulation,
@@ -381,5 +407,5 @@ def grouped_mlp(inp: torch.Tensor, m_splits, fc1: LayerParams, fc2: LayerParams,
     CALLS["grouped_mlp"] += 1
     params: List[torch.Tensor] = (as_inputs(fc1.weights) + as_inputs(fc1.biases) + as_inputs(fc2.weights)
                                   + as_inputs(fc2.biases))
-    out = _GroupedMLP.apply(x2d.contiguous(), p, splits, cfg, *params)
-    return out.view(*inp.shape[:-1], hidden)
+    out = _GroupedMLP.apply(x2d.contiguous(), p, splits, cfg, source, *params)
+    return out if routed else out.view(*inp.shape[:-1], hidden)

@@ -68,11 +68,15 @@ class GroupedMLP(torch.nn.Module):
         self.linear_fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size,
                                         init_method=output_layer_init_method, **kw)
 
-    def forward(self, x: torch.Tensor, m_splits, probs: Optional[torch.Tensor] = None,
+    def forward(self, x, m_splits=None, probs: Optional[torch.Tensor] = None,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``x`` (..., hidden) grouped by expert; ``m_splits`` tokens per
         expert (CUDA int tensor: graph-safe; list: host path); ``probs``
-        optional per-token scales (x's leading shape).  Returns (..., hidden)."""
+        optional per-token scales (x's leading shape).  Returns (..., hidden).
+        Or ``x`` = lpmoe.moe.RoutedTokens(tokens, routing_map) with
+        ``m_splits`` None: the grouped rows read from the tokens through the
+        map (FP8 block scaling quantizes them as it gathers); ``probs`` and
+        the result are then per grouped row."""
         return grouped_mlp(x, m_splits, layer_params(self.linear_fc1), layer_params(self.linear_fc2),
                            activation=self.activation, probs=probs, recipe=get_autocast_recipe(),
                            is_first_microbatch=is_first_microbatch)

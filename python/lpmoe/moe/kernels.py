@@ -16,9 +16,10 @@ from lpmoe._ext import ext
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.reference import permute as ref
 
-__all__ = ["scatter", "gather", "CALLS"]
+__all__ = ["scatter", "gather", "row_sources", "CALLS"]
 
-CALLS = {"kernel_scatter": 0, "kernel_gather": 0, "reference_scatter": 0, "reference_gather": 0}
+CALLS = {"kernel_scatter": 0, "kernel_gather": 0, "reference_scatter": 0, "reference_gather": 0,
+         "kernel_row_sources": 0, "reference_row_sources": 0}
 
 _TYPED = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,3 +103,20 @@ def gather_impl(src, row_map, scale):
     dst = torch.empty((row_map.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
     ext().permute_gather(src, row_map, scale, dst)
     return dst
+
+
+def row_sources(row_map: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(num_rows,) int32: the token whose slot row_map sends to each row, -1
+    for rows no slot names (the inverse map; ``row_map`` must not repeat a
+    row).  Eager only: the fused gather paths that read it are not traced."""
+    row_map = ready(row_map)
+    _check_map(row_map, row_map.shape[0], None, row_map.device)
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
+    if row_map.device.type != "cuda":
+        CALLS["reference_row_sources"] += 1
+        return ref.row_sources(row_map, num_rows)
+    CALLS["kernel_row_sources"] += 1
+    out = torch.empty(num_rows, dtype=torch.int32, device=row_map.device)
+    ext().permute_row_sources(row_map.contiguous(), out)
+    return out

@@ -12,6 +12,7 @@ from lpmoe.module.grouped_mlp import GroupedMLP
 from lpmoe.moe.dispatch import CapacityAllToAll, HostSplitAllToAll, LocalDispatch
 from lpmoe.moe.expert_numbering import register_global_expert_numbering
 from lpmoe.moe.permute import permute_probs, permute_rows, unpermute
+from lpmoe.moe.routed_tokens import RoutedTokens
 from lpmoe.moe.router import TopKRouter
 from lpmoe.moe.routing_map import routing_map
 
@@ -139,11 +140,18 @@ class MoELayer(torch.nn.Module):
         cap = self.capacity(tokens.shape[0])
         disp = self._dispatcher(cap)
         rmap = routing_map(routed.indices, self.num_experts, cap, layout=disp.layout)
-        grouped = disp.dispatch(permute_rows(tokens, rmap), permute_probs(routed.probs, rmap), rmap)
-        y = self.experts(grouped.x, grouped.m_splits, probs=grouped.probs,
-                         is_first_microbatch=is_first_microbatch)
+        probs = permute_probs(routed.probs, rmap)
+        if isinstance(disp, LocalDispatch):
+            # The experts read the tokens through the map: under FP8 block
+            # scaling fc1's input is quantized as it is gathered, so the
+            # bf16 grouped rows are never made (lpmoe.moe.routed_tokens).
+            y = self.experts(RoutedTokens(tokens, rmap), None, probs=probs, is_first_microbatch=is_first_microbatch)
+        else:
+            grouped = disp.dispatch(permute_rows(tokens, rmap), probs, rmap)
+            y = disp.combine(self.experts(grouped.x, grouped.m_splits, probs=grouped.probs,
+                                          is_first_microbatch=is_first_microbatch), grouped)
         # probabilities were applied inside the experts (fused with the activation)
-        out = unpermute(disp.combine(y, grouped), rmap)
+        out = unpermute(y, rmap)
         if not torch.compiler.is_compiling():
             self.aux_loss, self.tokens_dropped = routed.aux_loss.detach(), rmap.dropped
         return attach_aux_loss(out, routed.aux_loss, self.aux_loss_scale).view(x.shape)

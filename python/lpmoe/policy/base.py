@@ -51,9 +51,13 @@ class Needs:
 @dataclass
 class Tokens:
     """A layer's token operand (activations or output gradient), as high
-    precision (rows, C) and/or already quantized by a fused kernel."""
+    precision (rows, C) and/or already quantized by a fused kernel, or as
+    rows still to be gathered from a token matrix (``gathered``, an
+    lpmoe.functional.row_source.RowSource; only for a policy whose
+    :meth:`LinearPolicy.input_quantizer` takes it)."""
     hp: Optional[torch.Tensor] = None
     quantized: Optional[GroupedTensor] = None
+    gathered: object = None
 
 
 @dataclass
@@ -120,6 +124,13 @@ class LinearPolicy:
     def wgrad_tokens(self, saved_x, splits):
         """wgrad's token operand from what :meth:`forward` saved."""
         return grouped_rows(saved_x, splits.device) if isinstance(saved_x, torch.Tensor) else saved_x
+
+    def input_quantizer(self, need: Needs) -> Optional[Quantizer]:
+        """The quantizer :meth:`forward` applies to the layer's input when
+        the input may arrive as rows to gather (``Tokens.gathered``), or
+        None: this policy needs the high-precision rows themselves (the
+        caller then materialises them)."""
+        return None
 
     # --- what a fused activation in front of this layer writes (lpmoe.GroupedMLP)
     def activation_output(self, need: Needs):

@@ -25,8 +25,13 @@ class _Fp8Forward(LinearPolicy):
     def _quantized_x(self, x: Tokens, splits, columnwise: bool):
         if x.quantized is not None:
             return x.quantized
-        return group_quantize(x.hp, self.quantizer("input", True, columnwise), num_tensors=splits.num,
-                              first_dims=splits.device)
+        q = self.quantizer("input", True, columnwise)
+        if x.gathered is not None:  # quantized straight from the tokens (same bits)
+            return x.gathered.quantize(q)
+        return group_quantize(x.hp, q, num_tensors=splits.num, first_dims=splits.device)
+
+    def input_quantizer(self, need: Needs) -> Optional[Float8BlockQuantizer]:
+        return self.quantizer("input", True, need.wgrad)
 
     def _quantized_w(self, weights, columnwise: bool):
         return weights.quantized(self.quantizer("weight", True, columnwise))
@@ -98,6 +103,9 @@ class Fp8BlockHighPrecisionBackward(_Fp8Forward):
         t = grouped_rows(dy, splits.device)
         return Grad(dgrad=t if need.dgrad else None, wgrad=t if need.wgrad else None, hp=dy)
 
+    def input_quantizer(self, need: Needs) -> None:
+        return None  # the backward keeps the high-precision rows
+
     def activation_output(self, need: Needs):
         return need.wgrad, self.quantizer("input", True, False)
 
@@ -114,6 +122,9 @@ class Fp8BlockDequantizedBackward(_Fp8Forward):
     def grad(self, dy, splits, need: Needs) -> Grad:
         t = grouped_rows(dy, splits.device)
         return Grad(dgrad=t if need.dgrad else None, wgrad=t if need.wgrad else None, hp=dy)
+
+    def input_quantizer(self, need: Needs) -> Float8BlockQuantizer:
+        return self.quantizer("input", True, False)
 
     def dgrad_weights(self, saved_w, num: int, n: int, k: int):
         return dequantized_rows(saved_w).view(num, n, k)

@@ -6,7 +6,8 @@ to the row dtype), rows no slot maps to are 0; optional dot products
 ``gather``: dst[t] = sum_j scale[t, j] * src[row_map[t, j]], an fp32 sum in
 j order starting from +0 (multiply, then add: no fused multiply-add), then
 rounded to the row dtype.  Unrouted slots (-1, or outside the rows) are
-skipped.  The GPU kernels give the same bits for scatter and gather; the
+skipped.  ``row_sources``: the inverse map, row -> token (-1 for rows no
+slot names).  The GPU kernels give the same bits for scatter and gather; the
 dot products agree to fp32 rounding (their summation order is the
 kernel's reduction tree).
 """
@@ -16,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["scatter", "gather"]
+__all__ = ["scatter", "gather", "row_sources"]
 
 
 def _valid(row_map: torch.Tensor, rows: int) -> torch.Tensor:
@@ -55,3 +56,12 @@ def gather(src: torch.Tensor, row_map: torch.Tensor, scale: Optional[torch.Tenso
             contrib = contrib * scale[:, j].float().unsqueeze(1)
         acc = torch.where(valid.unsqueeze(1), acc + contrib, acc)
     return acc.to(src.dtype)
+
+
+def row_sources(row_map: torch.Tensor, rows: int) -> torch.Tensor:
+    tokens, k = row_map.shape
+    valid = _valid(row_map, rows)
+    out = torch.full((rows,), -1, dtype=torch.int32, device=row_map.device)
+    t_idx = torch.arange(tokens, device=row_map.device).unsqueeze(1).expand(tokens, k)[valid]
+    out[row_map[valid].long()] = t_idx.to(torch.int32)
+    return out

@@ -1,0 +1,52 @@
+"""Expert rows that are not materialised: what an expert MLP reads when it
+is handed the tokens and their routing instead of the permuted rows.
+
+An MoE layer's experts read the tokens in expert order.  Copying them into
+that order first (a bf16 (rows, hidden) buffer, k times the tokens) and then
+quantizing the copy moves every byte three times; an FP8 recipe can instead
+quantize straight from the tokens, gathering each grouped row as it goes
+(lpmoe.moe.RoutedTokens: the FP8 block quantize kernels read row r from
+token row_source[r]).  The bf16 rows then never exist, neither in memory nor
+in DRAM traffic.
+
+:class:`RowSource` is the interface lpmoe.functional.grouped_mlp uses; the
+implementation lives with the routing code (lpmoe.moe.routed_tokens), which
+depends on this package and not the other way round.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RowSource"]
+
+
+class RowSource:
+    """Grouped expert rows defined by a token matrix and a map.
+
+    ``tokens`` (T, hidden) is what autograd differentiates; ``num_rows``
+    and ``m_splits`` (device int64, rows per expert) describe the grouped
+    rows; rows past sum(m_splits) are a capacity tail."""
+
+    tokens: torch.Tensor
+    num_rows: int
+    m_splits: torch.Tensor
+
+    def rows(self) -> torch.Tensor:
+        """The grouped rows as a (num_rows, hidden) tensor, differentiable
+        in ``tokens`` (the unfused path)."""
+        raise NotImplementedError
+
+    def can_quantize(self, quantizer) -> bool:
+        """Whether :meth:`quantize` takes this quantizer for these tokens."""
+        raise NotImplementedError
+
+    def quantize(self, quantizer):
+        """The grouped rows quantized (a GroupedTensor with members
+        ``m_splits``), bit-identical to quantizing :meth:`rows`, without
+        making the rows.  No autograd."""
+        raise NotImplementedError
+
+    def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) gradient of ``tokens`` from the rows' gradient (the
+        backward of :meth:`rows`)."""
+        raise NotImplementedError

@@ -1,0 +1,117 @@
+"""Tokens and their routing handed to the experts as they are: the FP8
+expert input quantized straight from the tokens.
+
+Under FP8 block scaling an MoE layer would permute bf16 token rows into
+expert order (``permute_rows``: read T x H, write k x T x H) and the
+experts' fc1 would quantize that copy (read it again, write FP8 rows and
+the per-expert transposed copy).  :func:`permute_quantize` does both in
+one pass: the FP8 block quantize kernels read grouped row r from token
+``row_source[r]`` (the routing map inverted, one small kernel), so the bf16
+rows are never made: about a third less DRAM traffic for the expert input
+and, more important, the layer's largest activation (k x T x H bf16) never
+exists.  Same bits as ``group_quantize(permute_rows(x, rmap))`` by
+construction (a permutation is a copy).
+
+:class:`RoutedTokens` is the expert MLP's view of it
+(lpmoe.functional.row_source.RowSource): ``GroupedMLP(RoutedTokens(x,
+rmap))`` quantizes fc1's input this way when the recipe quantizes it
+(FP8 block scaling) and the call is eager; otherwise (bf16, emulated
+recipes, a high-precision backward, fp32 tokens, torch.compile) it
+permutes the rows first, exactly as before.  The backward sums the rows'
+gradient back to the tokens (the permutation's backward kernel).
+``CALLS`` counts which path ran.
+"""
+from __future__ import annotations
+
+import torch
+
+from lpmoe._async_inputs import ready
+from lpmoe.fp8_block_ops import gather_quantize
+from lpmoe.functional.row_source import RowSource
+from lpmoe.library.routing import tracing
+from lpmoe.moe import kernels
+from lpmoe.moe.permute import _check_rows, permute_rows
+from lpmoe.moe.routing_map import RoutingMap
+from lpmoe.quantize import group_quantize
+from lpmoe.quantizers import Float8BlockQuantizer
+
+__all__ = ["RoutedTokens", "permute_quantize", "CALLS"]
+
+CALLS = {"kernel_permute_quantize": 0, "reference_permute_quantize": 0}
+
+_GATHER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check(x: torch.Tensor, rmap: RoutingMap) -> None:
+    _check_rows(x, "x")
+    if not isinstance(rmap, RoutingMap):
+        raise TypeError(f"rmap must be an lpmoe.moe.RoutingMap, got {type(rmap).__name__}")
+    if x.shape[0] != rmap.row_map.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} tokens but the routing map has {rmap.row_map.shape[0]}")
+    if rmap.used_rows is None:
+        raise ValueError("the routing map must have the packed layout (experts' rows back to back); "
+                         "the padded layout's members are not contiguous")
+    if rmap.row_map.device != x.device:
+        raise ValueError(f"the routing map is on {rmap.row_map.device} but x is on {x.device}")
+
+
+def permute_quantize(x: torch.Tensor, rmap: RoutingMap, quantizer: Float8BlockQuantizer):
+    """``group_quantize(permute_rows(x, rmap), quantizer, first_dims=rmap.m_splits)``
+    in one pass over the tokens (see the module docstring): a GroupedTensor
+    of ``rmap.num_rows`` rows in ``rmap.num_experts`` members.  x (T, H)
+    bf16/fp16 on the GPU (any float dtype on CPU, through the reference);
+    packed routing map; FP8 block quantizer.  No autograd; graph-safe
+    (nothing read on the host)."""
+    x = ready(x)
+    _check(x, rmap)
+    if not isinstance(quantizer, Float8BlockQuantizer):
+        raise TypeError(f"quantizer must be an lpmoe.Float8BlockQuantizer (the format whose kernels gather rows), "
+                        f"got {type(quantizer).__name__}")
+    return _permute_quantize(x.detach(), rmap, quantizer)
+
+
+def _permute_quantize(x, rmap, quantizer):
+    """permute_quantize on checked arguments."""
+    if x.device.type != "cuda":
+        CALLS["reference_permute_quantize"] += 1
+        rows, _ = kernels.scatter(x, rmap.row_map, rmap.num_rows, zero_from=rmap.used_rows)
+        return group_quantize(rows, quantizer, num_tensors=rmap.num_experts, first_dims=rmap.m_splits)
+    if x.dtype not in _GATHER_DTYPES:
+        raise TypeError(f"x must be bfloat16 or float16 on the GPU, got {x.dtype} (quantize permute_rows(x) instead)")
+    CALLS["kernel_permute_quantize"] += 1
+    source = kernels.row_sources(rmap.row_map, rmap.num_rows)
+    return gather_quantize(x.contiguous(), source, rmap.m_splits, quantizer)
+
+
+class RoutedTokens(RowSource):
+    """Tokens x (T, H) and the routing map that sends them to the experts'
+    rows: what ``GroupedMLP`` takes in place of ``permute_rows(x, rmap)``
+    (then with ``m_splits=None``; the map's counts are the splits).  The
+    MLP returns the grouped rows' outputs, (rmap.num_rows, H), as before."""
+
+    def __init__(self, tokens: torch.Tensor, rmap: RoutingMap):
+        tokens = ready(tokens)
+        _check(tokens, rmap)
+        self.tokens = tokens
+        self.rmap = rmap
+
+    @property
+    def num_rows(self) -> int:
+        return self.rmap.num_rows
+
+    @property
+    def m_splits(self) -> torch.Tensor:
+        return self.rmap.m_splits
+
+    def rows(self) -> torch.Tensor:
+        return permute_rows(self.tokens, self.rmap)
+
+    def can_quantize(self, quantizer) -> bool:
+        return (isinstance(quantizer, Float8BlockQuantizer) and not tracing()
+                and (self.tokens.device.type != "cuda" or self.tokens.dtype in _GATHER_DTYPES))
+
+    def quantize(self, quantizer):
+        return _permute_quantize(self.tokens.detach(), self.rmap, quantizer)  # (checked when made)
+
+    def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
+        return kernels.gather(d_rows.contiguous(), self.rmap.row_map)
