@@ -194,15 +194,118 @@ def bench_layer_routing(t, h, f, e, k, fp8, rows):
     rows.append((f"layer {tag} T={t} E={e} routing map kernels vs PyTorch ops", f"{b / a:.3f}x step"))
 
 
+def bench_gather_quantize(t, k, h, e, copy_gbs, rows):
+    """FP8 expert input straight from the tokens (permute_quantize: inverse
+    map + gathering quantize) against permute_rows then group_quantize
+    (1x128 rows + per-expert transposed copy), GPU time by graph replay.
+    Bytes counted for the fused op: the grouped rows read once (T*k*H*2)
+    plus both FP8 copies and their scales written."""
+    from lpmoe.moe import permute_quantize, permute_rows
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    rm = routing_map(_indices(t, k, e), e)
+    q = lpmoe.Float8BlockQuantizer(torch.float8_e4m3fn, block_dim=1, rowwise=True, columnwise=True)
+    fused = lambda: permute_quantize(x, rm, q)  # noqa: E731
+    unfused = lambda: lpmoe.group_quantize(permute_rows(x, rm), q, num_tensors=e, first_dims=rm.m_splits)  # noqa: E731
+    a, b = [], []
+    for _ in range(3):
+        a.append(graph_us(fused, reps=3)); b.append(graph_us(unfused, reps=3))
+    fa, fb = statistics.median(a), statistics.median(b)
+    n = t * k * h
+    moved = n * 2 + 2 * n + 2 * (n // 128) * 4
+    ratio = moved / (fa * 1e-6) / (copy_gbs * 1e9)
+    print(f"  permute+quantize T={t} k={k} H={h} E={e}: fused {fa:.0f} us ({ratio:.2f} of copy), permute_rows + "
+          f"group_quantize {fb:.0f} us ({fb / fa:.2f}x the fused; rounds {min(a):.0f}-{max(a):.0f} / "
+          f"{min(b):.0f}-{max(b):.0f})")
+    rows.append((f"permute_quantize T={t} k={k} H={h}", f"{fa:.0f} us, {ratio:.2f} of copy, {fb / fa:.2f}x unfused"))
+
+
+def bench_layer_gather(t, h, f, e, k, rows, single=False):
+    """FP8 MoE layer step (eager fwd+bwd) with the experts' input quantized
+    straight from the tokens (RoutedTokens, the layer's default) against the
+    same layer with the bf16 rows permuted first (RoutedTokens.can_quantize
+    switched off: the MLP then makes the rows, the path before), interleaved
+    rounds; and the peak memory of one step above its start."""
+    from lpmoe.moe import RoutedTokens
+    torch.manual_seed(0)
+    layer = lpmoe.moe.MoELayer(h, f, e, k, params_dtype=torch.bfloat16, single_grouped_parameter=single)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    gathers = RoutedTokens.can_quantize
+
+    def step(fused):
+        RoutedTokens.can_quantize = gathers if fused else (lambda self, q: False)
+        try:
+            layer(x).backward(gy)
+        finally:
+            RoutedTokens.can_quantize = gathers
+
+    def peaks(fused):
+        """GiB above the start: (forward alone, whole step); gradients
+        exist (as in training after the first step)."""
+        step(fused)
+        out = []
+        for whole in (False, True):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            if whole:
+                step(fused)
+            else:
+                RoutedTokens.can_quantize = gathers if fused else (lambda self, q: False)
+                try:
+                    layer(x)  # (the output dies here; the peak counts it)
+                finally:
+                    RoutedTokens.can_quantize = gathers
+            torch.cuda.synchronize()
+            out.append((torch.cuda.max_memory_allocated() - base) / 2 ** 30)
+        return out
+
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        res = {True: [], False: []}
+        gpu = {True: [], False: []}
+        for _ in range(4):
+            for fused in (True, False):
+                res[fused].append(median_ms(lambda: step(fused), warmup=2, iters=7, reps=2))
+        for _ in range(3):  # device time alone: the step captured in a CUDA graph (graph-safe layer)
+            for fused in (True, False):
+                gpu[fused].append(graph_us(lambda: step(fused), reps=1) / 1e3)
+        mem = {fused: peaks(fused) for fused in (True, False)}
+    a, b = statistics.median(res[True]), statistics.median(res[False])
+    ga, gb = statistics.median(gpu[True]), statistics.median(gpu[False])
+    print(f"  layer fp8 T={t} E={e} k={k} H={h} F={f}{' stacked' if single else ''}: eager step {a:.3f} ms reading "
+          f"the tokens, {b:.3f} ms permuting rows first ({b / a:.3f}x; rounds {min(res[True]):.3f}-"
+          f"{max(res[True]):.3f} / {min(res[False]):.3f}-{max(res[False]):.3f}); GPU time (graph replay) {ga:.3f} vs "
+          f"{gb:.3f} ms ({gb / ga:.3f}x); peak GiB above the start, forward {mem[True][0]:.2f} vs {mem[False][0]:.2f}, "
+          f"step {mem[True][1]:.2f} vs {mem[False][1]:.2f}")
+    rows.append((f"layer fp8 T={t} E={e} tokens read through the map vs rows permuted first",
+                 f"eager {b / a:.3f}x, GPU {gb / ga:.3f}x; peak fwd {mem[True][0]:.2f} vs {mem[False][0]:.2f}, "
+                 f"step {mem[True][1]:.2f} vs {mem[False][1]:.2f} GiB"))
+
+
+def bench_gather_rows(args, copy_gbs, rows):
+    print("FP8 expert input quantized straight from the tokens:")
+    for t in (8192, 32768):
+        bench_gather_quantize(t, args.topk, args.hidden, 64, copy_gbs, rows)
+    print("  MoE layer, launch-bound (4k tokens, 64 experts, top-8, H 2048, F 768) and DeepSeek-V3 shapes:")
+    bench_layer_gather(4096, 2048, 768, 64, 8, rows, single=True)
+    bench_layer_gather(8192, args.hidden, 2048, 64, args.topk, rows)
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--gather-only", action="store_true",
+                   help="only the FP8-input-from-tokens rows (and the device copy)")
     args = p.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     print(f"device copy: {copy_gbs:.0f} GB/s")
     rows = [("device copy", f"{copy_gbs:.0f} GB/s")]
+    if args.gather_only:
+        bench_gather_rows(args, copy_gbs, rows)
+        write_summary(args.summary, rows)
+        return
     print("routing map:")
     for t in (args.tokens, 4096):
         bench_routing_map(t, args.topk, rows)
@@ -215,6 +318,7 @@ def main():
     print("MoE layer at a launch-bound size (4k tokens, 64 experts, top-8, H 2048, F 768):")
     for fp8 in (True, False):
         bench_layer_routing(4096, 2048, 768, 64, 8, fp8, rows)
+    bench_gather_rows(args, copy_gbs, rows)
     print("MoE layer (DeepSeek-V3 expert shapes, 64 experts, one GPU):")
     for fp8 in (True, False):
         bench_layer(8192, args.hidden, 2048, 64, 8, fp8, rows)

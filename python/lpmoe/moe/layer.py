@@ -70,6 +70,13 @@ class MoELayer(torch.nn.Module):
             work per step; see lpmoe.GroupedLinear); the state dict is the
             same.
 
+    Without expert parallelism the experts receive the tokens and the
+    routing map (``lpmoe.moe.RoutedTokens``, ``m_splits`` None) instead of
+    permuted rows: under FP8 block scaling fc1's input is quantized as it is
+    gathered from the tokens, so the bf16 grouped rows are never made
+    (forward hooks on ``self.experts`` see that object; ``.rows()`` gives
+    the rows).
+
     The state dict numbers experts globally (``experts.linear_fc1.weight{e}``
     for global expert e) on every rank, so a single-GPU state dict loads on
     each expert-parallel rank (each keeps its experts) and the ranks'
