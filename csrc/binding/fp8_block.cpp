@@ -35,6 +35,10 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
                 "lpmoe: `row_source` must be a contiguous 1-D int32 tensor, got ", row_source->scalar_type(), " ",
                 row_source->sizes());
     TORCH_CHECK(input.size(0) < (int64_t(1) << 31), "lpmoe: a gathered quantize's source rows must fit int32");
+    TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kHalf,
+                "lpmoe: a gathered quantize reads bfloat16/float16 tokens, got ", input.scalar_type());
+    TORCH_CHECK(pad_columnwise_tokens || !out_col_data.has_value() || block_dim != 1 || row_source->size(0) % 8 == 0,
+                "lpmoe: a gathered quantize with an unpadded transposed copy needs a multiple of 8 rows");
     rows = row_source->size(0);
   }
   if (out_data.has_value()) {

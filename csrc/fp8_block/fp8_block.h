@@ -50,9 +50,9 @@ struct QuantizeArgs {
   // quantization): logical row r of the grouped input is row row_source[r]
   // of `input` (source_rows x K), a zero row where row_source[r] is outside
   // [0, source_rows) (rows no slot was routed to).  Null: row r of `input`.
-  // Taken by the one-tile-per-CTA kernels; launch_quantize refuses it where
-  // it would pick the persistent kernel (fp32 input, an unpadded transposed
-  // copy of M % 8 != 0 tokens).
+  // Taken by the one-tile-per-CTA kernels, for 16-bit inputs; launch_quantize
+  // refuses it elsewhere (fp32 input, or an unpadded transposed copy of
+  // M % 8 != 0 tokens, which take the persistent kernel).
   const int32_t* row_source = nullptr;
   int64_t source_rows = 0;
 };

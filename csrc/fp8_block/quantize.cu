@@ -24,33 +24,46 @@ std::atomic<int64_t> g_launches[static_cast<int>(QuantizeKernel::kCount)];
 
 void count_launch(QuantizeKernel k) { g_launches[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 
-// Row of `input` that logical row r reads (QuantizeArgs::row_source), or -1
-// for a zero row.
-__device__ __forceinline__ int64_t source_row(const QuantizeArgs& a, int64_t r) {
-  if (a.row_source == nullptr) return r;
+// Row of `input` that gathered row r reads (QuantizeArgs::row_source), -1
+// (a zero row) for an entry outside the token matrix.
+__device__ __forceinline__ int64_t gathered_row(const QuantizeArgs& a, int64_t r) {
   const int32_t s = a.row_source[r];
   return (s >= 0 && s < a.source_rows) ? s : -1;
 }
 
 // This thread's 8 rows x 8 columns of tile (ti, col0), zeros outside the
-// member, the matrix or the routed rows.
-template <typename IType>
-__device__ __forceinline__ void load_tile_part(const QuantizeArgs& args, const TileInfo& ti, int64_t col0,
-                                               RawVec8<IType> (&raw)[kRowsPerThread]) {
-  const TilePart p;
-  const bool col_ok = p.col() < args.cols - col0;
+// member, the matrix or (kGather) the routed rows.  A template flag, so the
+// plain kernels compile exactly as they did before gathering existed.
+// (c, g: the thread's column group and row group; col_ok: its 8 columns
+// lie inside the matrix.)
+template <typename IType, bool kGather>
+__device__ __forceinline__ void load_tile_part(const QuantizeArgs& args, const TileInfo& ti, int64_t col0, int c,
+                                               int g, bool col_ok, RawVec8<IType> (&raw)[kRowsPerThread]) {
+  const int64_t K = args.cols;
   const IType* in = static_cast<const IType*>(args.input);
 #pragma unroll
   for (int r = 0; r < kRowsPerThread; ++r) {
-    const int64_t src = (col_ok && p.row(r) < ti.rows_valid) ? source_row(args, ti.row0 + p.row(r)) : -1;
-    if (src >= 0) load_vec8<IType>(in + src * args.cols + col0 + p.col(), raw[r]);
-    else zero_vec8<IType>(raw[r]);
+    const int row = g * kRowsPerThread + r;
+    if constexpr (kGather) {
+      const int64_t src = (col_ok && row < ti.rows_valid) ? gathered_row(args, ti.row0 + row) : -1;
+      if (src >= 0) {
+        load_vec8<IType>(in + src * K + col0 + c * kVec, raw[r]);
+      } else {
+        zero_vec8<IType>(raw[r]);
+      }
+    } else {
+      if (col_ok && row < ti.rows_valid) {
+        load_vec8<IType>(in + (ti.row0 + row) * K + col0 + c * kVec, raw[r]);
+      } else {
+        zero_vec8<IType>(raw[r]);
+      }
+    }
   }
 }
 
 // ---- one tile per CTA (2D blocks and rowwise-only output: measured faster
 // this way, docs/perf-notes.md) --------------------------------------------
-template <typename IType, bool kE5M2, int kBlockDim>
+template <typename IType, bool kE5M2, int kBlockDim, bool kGather>
 __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const QuantizeArgs args) {
   if (args.noop != nullptr && *args.noop == 1.0f) return;
   __shared__ Smem sm;
@@ -62,8 +75,11 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const Quanti
   TileInfo ti;
   if (!locate_tile(args.group, args.rows, j, ti)) return;
   const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+  const int c = threadIdx.x & 15;
+  const int g = threadIdx.x >> 4;
+  const bool col_ok = c * kVec < K - col0;
   RawVec8<IType> raw[kRowsPerThread];
-  load_tile_part<IType>(args, ti, col0, raw);
+  load_tile_part<IType, kGather>(args, ti, col0, c, g, col_ok, raw);
   process_tile<IType, kE5M2, kBlockDim>(args, ti, j, tile_x, raw, sm);
 }
 
@@ -71,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_kernel(const Quanti
 // rows are quantized from registers; the columns by each warp from a swizzled
 // copy of the tile (tile_columns.cuh), one CTA barrier per tile instead of
 // the cross-warp column-amax and transpose phases of process_tile. --------
-template <typename IType, bool kE5M2>
+template <typename IType, bool kE5M2, bool kGather>
 __global__ void __launch_bounds__(kThreads, 3) quantize_tile_columns_kernel(const QuantizeArgs args) {
   if (args.noop != nullptr && *args.noop == 1.0f) return;
   __shared__ __align__(16) uint8_t staged[kSwizzledTileBytes];
@@ -88,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_tile_columns_kernel(cons
   const int lane = threadIdx.x & 31;
   const bool col_ok = c * kVec < K - col0;
   RawVec8<IType> raw[kRowsPerThread];
-  load_tile_part<IType>(args, ti, col0, raw);
+  load_tile_part<IType, kGather>(args, ti, col0, c, g, col_ok, raw);
   const uint32_t tile = static_cast<uint32_t>(__cvta_generic_to_shared(staged));
   stage_swizzled_tile<IType>(tile, raw, c, g);
   // same sums, same order as process_tile: the fused activation's dbias matches
@@ -166,30 +182,45 @@ cudaError_t launch_persistent(const QuantizeArgs& a, int64_t tiles, cudaStream_t
   return cudaGetLastError();
 }
 
+// The one-tile-per-CTA kernels: with a transposed 1x128 copy the columns
+// kernel (16-bit inputs only), else the generic tile kernel.
+template <typename IType, bool kE5M2, bool kGather>
+cudaError_t launch_one_tile(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(tiles));
+  if (a.block_dim == 1 && a.out_col_data != nullptr) {
+    if constexpr (sizeof(IType) == 2) {
+      count_launch(QuantizeKernel::kTileColumns);
+      quantize_tile_columns_kernel<IType, kE5M2, kGather><<<grid, kThreads, 0, stream>>>(a);
+      return cudaGetLastError();
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
+  count_launch(QuantizeKernel::kTile);
+  if (a.block_dim == 2) {
+    quantize_tile_kernel<IType, kE5M2, 2, kGather><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    quantize_tile_kernel<IType, kE5M2, 1, kGather><<<grid, kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
 template <typename IType, bool kE5M2>
 cudaError_t launch_typed(const QuantizeArgs& a, int64_t tiles, cudaStream_t stream) {
   if (tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  if (a.block_dim == 1 && a.out_col_data != nullptr) {
-    // 16-bit inputs, whole 8-token chunks in the transposed copy
+  const bool columns = a.block_dim == 1 && a.out_col_data != nullptr;
+  // 16-bit inputs with whole 8-token chunks in the transposed copy: the
+  // columns kernel; other inputs with a transposed 1x128 copy: persistent.
+  const bool one_tile = !columns || (sizeof(IType) == 2 && (a.pad_columnwise_tokens || a.rows % 8 == 0));
+  if (a.row_source != nullptr) {  // gathering: 16-bit inputs, one-tile kernels (QuantizeArgs::row_source)
     if constexpr (sizeof(IType) == 2) {
-      if (a.pad_columnwise_tokens || a.rows % 8 == 0) {
-        count_launch(QuantizeKernel::kTileColumns);
-        quantize_tile_columns_kernel<IType, kE5M2><<<dim3(static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(a);
-        return cudaGetLastError();
-      }
+      if (one_tile) return launch_one_tile<IType, kE5M2, true>(a, tiles, stream);
     }
-    if (a.row_source != nullptr) return cudaErrorInvalidValue;  // (see QuantizeArgs::row_source)
-    count_launch(QuantizeKernel::kPersistent);
-    return launch_persistent<IType, kE5M2>(a, tiles, stream);
+    return cudaErrorInvalidValue;
   }
-  count_launch(QuantizeKernel::kTile);
-  const dim3 grid(static_cast<unsigned>(tiles));
-  if (a.block_dim == 2) {
-    quantize_tile_kernel<IType, kE5M2, 2><<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    quantize_tile_kernel<IType, kE5M2, 1><<<grid, kThreads, 0, stream>>>(a);
-  }
-  return cudaGetLastError();
+  if (one_tile) return launch_one_tile<IType, kE5M2, false>(a, tiles, stream);
+  count_launch(QuantizeKernel::kPersistent);
+  return launch_persistent<IType, kE5M2>(a, tiles, stream);
 }
 
 template <typename IType>
