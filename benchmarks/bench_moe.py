@@ -220,66 +220,82 @@ def bench_gather_quantize(t, k, h, e, copy_gbs, rows):
 
 
 def bench_layer_gather(t, h, f, e, k, rows, single=False):
-    """FP8 MoE layer step (eager fwd+bwd) with the experts' input quantized
-    straight from the tokens (RoutedTokens, the layer's default) against the
-    same layer with the bf16 rows permuted first (RoutedTokens.can_quantize
-    switched off: the MLP then makes the rows, the path before), interleaved
-    rounds; and the peak memory of one step above its start."""
+    """FP8 MoE layer step (fwd+bwd) in three variants, interleaved rounds:
+    "tokens" the experts' input quantized straight from the tokens
+    (RoutedTokens, the layer's default); "rows" the same layer with the bf16
+    rows permuted first (RoutedTokens.can_quantize switched off: the MLP then
+    makes the rows, the path before); "keep" as "tokens" with
+    save_original_input=True (no FP8 copy of the rows kept for the backward;
+    gathered again for fc1's wgrad).  Eager and graph-replay (GPU) time, what
+    the forward leaves alive for the backward (output included), and the
+    peaks of the forward alone and of the whole step above their start."""
     from lpmoe.moe import RoutedTokens
     torch.manual_seed(0)
-    layer = lpmoe.moe.MoELayer(h, f, e, k, params_dtype=torch.bfloat16, single_grouped_parameter=single)
+    layers = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        layers[keep] = lpmoe.moe.MoELayer(h, f, e, k, params_dtype=torch.bfloat16, single_grouped_parameter=single,
+                                          save_original_input=keep)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     gathers = RoutedTokens.can_quantize
+    variants = ("tokens", "rows", "keep")
 
-    def step(fused):
-        RoutedTokens.can_quantize = gathers if fused else (lambda self, q: False)
+    def forward(v):
+        # "rows": RoutedTokens refuses every quantizer, so the MLP permutes first
+        RoutedTokens.can_quantize = gathers if v != "rows" else (lambda self, q: False)
         try:
-            layer(x).backward(gy)
+            return layers[v == "keep"](x)
         finally:
             RoutedTokens.can_quantize = gathers
 
-    def peaks(fused):
-        """GiB above the start: (forward alone, whole step); gradients
-        exist (as in training after the first step)."""
-        step(fused)
+    def step(v):
+        forward(v).backward(gy)
+
+    def memory(v):
+        """GiB: (alive after the forward, forward peak, step peak), each
+        above its start; gradients exist (as after a first step)."""
+        step(v)
         out = []
-        for whole in (False, True):
+        for what in ("alive", "forward", "step"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            if whole:
-                step(fused)
+            if what == "step":
+                step(v)
+            elif what == "forward":
+                forward(v)  # (the output dies here; the peak counts it)
             else:
-                RoutedTokens.can_quantize = gathers if fused else (lambda self, q: False)
-                try:
-                    layer(x)  # (the output dies here; the peak counts it)
-                finally:
-                    RoutedTokens.can_quantize = gathers
+                held = [forward(v)]  # the output and what its graph keeps for the backward
+                torch.cuda.synchronize()
+                out.append((torch.cuda.memory_allocated() - base) / 2 ** 30)
+                held.clear()
+                continue
             torch.cuda.synchronize()
             out.append((torch.cuda.max_memory_allocated() - base) / 2 ** 30)
         return out
 
     with lpmoe.autocast(recipe=Float8BlockScaling()):
-        res = {True: [], False: []}
-        gpu = {True: [], False: []}
+        eager = {v: [] for v in variants}
+        gpu = {v: [] for v in variants}
         for _ in range(4):
-            for fused in (True, False):
-                res[fused].append(median_ms(lambda: step(fused), warmup=2, iters=7, reps=2))
+            for v in variants:
+                eager[v].append(median_ms(lambda: step(v), warmup=2, iters=7, reps=2))
         for _ in range(3):  # device time alone: the step captured in a CUDA graph (graph-safe layer)
-            for fused in (True, False):
-                gpu[fused].append(graph_us(lambda: step(fused), reps=1) / 1e3)
-        mem = {fused: peaks(fused) for fused in (True, False)}
-    a, b = statistics.median(res[True]), statistics.median(res[False])
-    ga, gb = statistics.median(gpu[True]), statistics.median(gpu[False])
-    print(f"  layer fp8 T={t} E={e} k={k} H={h} F={f}{' stacked' if single else ''}: eager step {a:.3f} ms reading "
-          f"the tokens, {b:.3f} ms permuting rows first ({b / a:.3f}x; rounds {min(res[True]):.3f}-"
-          f"{max(res[True]):.3f} / {min(res[False]):.3f}-{max(res[False]):.3f}); GPU time (graph replay) {ga:.3f} vs "
-          f"{gb:.3f} ms ({gb / ga:.3f}x); peak GiB above the start, forward {mem[True][0]:.2f} vs {mem[False][0]:.2f}, "
-          f"step {mem[True][1]:.2f} vs {mem[False][1]:.2f}")
-    rows.append((f"layer fp8 T={t} E={e} tokens read through the map vs rows permuted first",
-                 f"eager {b / a:.3f}x, GPU {gb / ga:.3f}x; peak fwd {mem[True][0]:.2f} vs {mem[False][0]:.2f}, "
-                 f"step {mem[True][1]:.2f} vs {mem[False][1]:.2f} GiB"))
+            for v in variants:
+                gpu[v].append(graph_us(lambda: step(v), reps=1) / 1e3)
+        mem = {v: memory(v) for v in variants}
+    med = {v: (statistics.median(eager[v]), statistics.median(gpu[v])) for v in variants}
+    print(f"  layer fp8 T={t} E={e} k={k} H={h} F={f}{' stacked' if single else ''} "
+          f"(ms eager [rounds] / GPU; GiB alive after forward / forward peak / step peak):")
+    for v in variants:
+        a, g = med[v]
+        print(f"    {v:6s} {a:8.3f} [{min(eager[v]):.3f}-{max(eager[v]):.3f}] / {g:8.3f}   "
+              f"{mem[v][0]:.2f} / {mem[v][1]:.2f} / {mem[v][2]:.2f}"
+              + ("" if v == "rows" else f"   vs rows: {med['rows'][0] / a:.3f}x eager, {med['rows'][1] / g:.3f}x GPU"))
+    rows.append((f"layer fp8 T={t} E={e} tokens / keep vs rows permuted first",
+                 f"GPU {med['rows'][1] / med['tokens'][1]:.3f}x / {med['rows'][1] / med['keep'][1]:.3f}x; "
+                 f"alive after fwd {mem['tokens'][0]:.2f} / {mem['keep'][0]:.2f} vs {mem['rows'][0]:.2f} GiB"))
 
 
 def bench_gather_rows(args, copy_gbs, rows):

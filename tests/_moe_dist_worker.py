@@ -73,10 +73,10 @@ def _rows_as_on_the_wire(experts, args):
     blocks), so the round trip on the grouped rows equals the one on the sent
     rows, whatever their order; the backward is straight through, as the
     wire's.  ``rt + (rows - rows.detach())`` is rt exactly, with rows' graph."""
-    from lpmoe.functional.row_source import RowSource
+    from lpmoe.functional.gathered_rows import GatheredRows
     from lpmoe.moe.wire import dequantize_rows, quantize_rows
     rows, splits = args[0], args[1]
-    if isinstance(rows, RowSource):  # the one-process layer hands over its tokens and routing map
+    if isinstance(rows, GatheredRows):  # the one-process layer hands over its tokens and routing map
         rows, splits = rows.rows(), rows.m_splits
     rt = dequantize_rows(*quantize_rows(rows.detach()), rows.dtype)
     return (rt + (rows - rows.detach()), splits) + tuple(args[2:])

@@ -116,6 +116,7 @@ def _run_mlp(routed: bool, x, rm, probs, w1, w2, recipe):
 
 def _assert_runs_equal(a, b, used):
     assert torch.equal(a[0][:used], b[0][:used]), "output rows"
+    assert torch.equal(a[0][used:], b[0][used:]) and not a[0][used:].any(), "capacity-tail rows (zeros)"
     for i, (p, q) in enumerate(zip(a[1:], b[1:])):
         assert torch.equal(p, q), f"gradient {i}"
 
@@ -155,10 +156,12 @@ def test_moe_layer_gathers_fp8_expert_input_cpu():
 
 # ----------------------------------------------------------------------- GPU
 @requires_cuda
-@pytest.mark.parametrize("tokens,k,experts,capacity", [(0, 2, 4, None), (1, 1, 3, None), (300, 2, 8, None),
-                                                       (1000, 8, 64, None), (777, 4, 16, 150), (129, 3, 5, 0)])
-def test_gpu_row_sources_kernel_matches_reference(tokens, k, experts, capacity):
-    rm = routing_map(_indices(tokens, k, experts, drop=0.1, seed=tokens, device="cuda"), experts, capacity)
+@pytest.mark.parametrize("tokens,k,experts,capacity,layout", [
+    (0, 2, 4, None, "packed"), (1, 1, 3, None, "packed"), (300, 2, 8, None, "packed"), (1000, 8, 64, None, "packed"),
+    (777, 4, 16, 150, "packed"), (129, 3, 5, 2, "packed"), (129, 3, 5, 0, "packed"), (200, 2, 6, 90, "padded")])
+def test_gpu_row_sources_kernel_matches_reference(tokens, k, experts, capacity, layout):
+    # (padded: more rows than kept slots, many rows no slot names)
+    rm = routing_map(_indices(tokens, k, experts, drop=0.1, seed=tokens, device="cuda"), experts, capacity, layout)
     poison_allocator()
     before = kernels.CALLS["kernel_row_sources"]
     got = kernels.row_sources(rm.row_map, rm.num_rows)
@@ -172,15 +175,18 @@ def _launches():
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["uniform", "skewed", "capacity", "tiny", "empty"])
+@pytest.mark.parametrize("case", ["uniform", "skewed", "capacity", "tiny", "empty", "partial_cols"])
 @pytest.mark.parametrize("block_dim,columnwise", [(1, True), (1, False), (2, True)])
-def test_gpu_permute_quantize_bit_exact(dtype, case, block_dim, columnwise):
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2_exact_scales"])
+def test_gpu_permute_quantize_bit_exact(dtype, case, block_dim, columnwise, fmt):
     t, k, e, h, cap, skew = {"uniform": (512, 4, 8, 384, None, 0.0), "skewed": (700, 2, 16, 256, None, 0.9),
                              "capacity": (300, 3, 6, 128, 97, 0.5), "tiny": (5, 2, 3, 128, None, 0.0),
-                             "empty": (0, 2, 4, 256, None, 0.0)}[case]
+                             "empty": (0, 2, 4, 256, None, 0.0),
+                             "partial_cols": (260, 2, 4, 208, None, 0.3)}[case]  # H 208: a partial column tile
     x = _tokens(t, h, dtype, "cuda", seed=t + k)
     rm = routing_map(_indices(t, k, e, drop=0.1, seed=7, skew=skew, device="cuda"), e, cap)
-    q = lpmoe.Float8BlockQuantizer(torch.float8_e4m3fn, block_dim=block_dim, rowwise=True, columnwise=columnwise)
+    q = lpmoe.Float8BlockQuantizer(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2, block_dim=block_dim,
+                                   rowwise=True, columnwise=columnwise, pow2_scales=fmt == "e4m3")
     want = lpmoe.group_quantize(permute_rows(x, rm), q, num_tensors=e, first_dims=rm.m_splits)
     poison_allocator()
     before, calls = _launches(), routed_tokens.CALLS["kernel_permute_quantize"]
@@ -196,8 +202,14 @@ def test_gpu_permute_quantize_bit_exact(dtype, case, block_dim, columnwise):
     _assert_same_members(got, ref_q)
 
 
-def _gpu_mlp_case(seed=0, t=1024, k=4, e=8, h=256, f=128):
-    x = _tokens(t, h, torch.bfloat16, "cuda", seed=seed, edges=False).requires_grad_()
+def _gpu_mlp_case(seed=0, t=1024, k=4, e=8, h=256, f=128, misaligned=False):
+    x = _tokens(t, h, torch.bfloat16, "cuda", seed=seed, edges=False)
+    if misaligned:  # the same values one element into a buffer: data_ptr % 16 == 2
+        buf = torch.empty(t * h + 1, dtype=x.dtype, device="cuda")
+        buf[1:].copy_(x.view(-1))
+        x = buf[1:].view(t, h)
+        assert x.data_ptr() % 16
+    x = x.detach().requires_grad_()
     rm = routing_map(_indices(t, k, e, drop=0.05, seed=seed, skew=0.3, device="cuda"), e, capacity=600)
     probs = torch.rand(t, k, device="cuda").requires_grad_()
     w1, w2 = _mlp_params(e, h, f, torch.bfloat16, "cuda", seed=seed)
@@ -205,15 +217,19 @@ def _gpu_mlp_case(seed=0, t=1024, k=4, e=8, h=256, f=128):
 
 
 @requires_cuda
-@pytest.mark.parametrize("override", [None, "dequantized"])
-def test_gpu_mlp_routed_tokens_bit_identical_to_permuted_rows(override):
-    x, rm, probs, w1, w2 = _gpu_mlp_case()
+@pytest.mark.parametrize("override,misaligned,gathers", [(None, False, True), ("dequantized", False, True),
+                                                        ("high_precision", False, False), (None, True, False)])
+def test_gpu_mlp_routed_tokens_bit_identical_to_permuted_rows(override, misaligned, gathers):
+    """The recipes and tokens the gathering kernels take, and the ones that
+    fall back to permuted rows (a high-precision backward; tokens not
+    16-byte aligned, which the row kernels take)."""
+    x, rm, probs, w1, w2 = _gpu_mlp_case(misaligned=misaligned)
     recipe = Float8BlockScaling(backward_override=override)
     want = _run_mlp(False, x, rm, probs, w1, w2, recipe)
     poison_allocator()
     before = routed_tokens.CALLS["kernel_permute_quantize"]
     got = _run_mlp(True, x, rm, probs, w1, w2, recipe)
-    assert routed_tokens.CALLS["kernel_permute_quantize"] == before + 1
+    assert routed_tokens.CALLS["kernel_permute_quantize"] == before + (1 if gathers else 0)
     _assert_runs_equal(got, want, int(rm.used_rows))
 
 
@@ -254,26 +270,82 @@ def test_gpu_routed_tokens_graph_replays_with_new_routing_and_no_sync():
 
 
 @requires_cuda
-def test_gpu_moe_layer_gathers_and_matches_the_unfused_composition():
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_gpu_moe_layer_gathers_and_matches_the_unfused_composition(capacity_factor):
+    """The layer's FP8 step (tokens handed over) against the same layer
+    composed by hand with the rows permuted first: output, input gradient
+    and every parameter's gradient bitwise (with a capacity: dropped slots
+    and a capacity tail)."""
     torch.manual_seed(0)
-    layer = lpmoe.moe.MoELayer(256, 128, num_experts=8, top_k=2, device="cuda", params_dtype=torch.bfloat16)
+    layer = lpmoe.moe.MoELayer(256, 128, num_experts=8, top_k=2, device="cuda", params_dtype=torch.bfloat16,
+                               capacity_factor=capacity_factor)
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
     recipe = Float8BlockScaling()
+
+    def grads():
+        return [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
     before = routed_tokens.CALLS["kernel_permute_quantize"]
     with lpmoe.autocast(recipe=recipe):
         y = layer(x)
     assert routed_tokens.CALLS["kernel_permute_quantize"] == before + 1
-    y.backward(torch.ones_like(y))
-    got = (y.detach(), x.grad.clone(), layer.router.weight.grad.clone())
+    y.backward(gy)
+    got_y, got = y.detach(), grads()
     x.grad = None
-    layer.zero_grad()
+    layer.zero_grad(set_to_none=True)
     # the same layer, composed by hand with the rows permuted first
     routed = layer.router(x)
-    rm = routing_map(routed.indices, 8)
+    rm = routing_map(routed.indices, 8, layer.capacity(300))
     with lpmoe.autocast(recipe=recipe):
         yg = layer.experts(permute_rows(x, rm), rm.m_splits, probs=permute_probs(routed.probs, rm))
     want_y = lpmoe.moe.attach_aux_loss(lpmoe.moe.unpermute(yg, rm), routed.aux_loss, layer.aux_loss_scale)
-    want_y.backward(torch.ones_like(want_y))
-    assert torch.equal(got[0], want_y.detach())
-    assert torch.equal(got[1], x.grad)
-    assert torch.equal(got[2], layer.router.weight.grad)
+    want_y.backward(gy)
+    assert torch.equal(got_y, want_y.detach())
+    for i, (u, v) in enumerate(zip(got, grads())):
+        assert torch.equal(u, v), i
+
+
+def test_moe_layer_hands_tokens_only_under_fp8_cpu():
+    """Hooks on the experts see permuted rows under bf16 and RoutedTokens
+    under FP8 block scaling; a replaced experts module always gets rows."""
+    torch.manual_seed(0)
+    layer = lpmoe.moe.MoELayer(128, 64, num_experts=4, top_k=2, device="cpu", params_dtype=torch.bfloat16)
+    seen = []
+    layer.experts.register_forward_pre_hook(lambda mod, args: seen.append(type(args[0]).__name__))
+    x = torch.randn(20, 128, dtype=torch.bfloat16)
+    layer(x)
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        layer(x)
+    assert seen == ["Tensor", "RoutedTokens"]
+
+    class Wrapped(torch.nn.Module):  # a user's expert module
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, rows, m_splits, probs=None, is_first_microbatch=None):
+            assert isinstance(rows, torch.Tensor)
+            return self.inner(rows, m_splits, probs=probs)
+    layer.experts = Wrapped(layer.experts)
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        layer(x)
+
+
+def test_compiled_fp8_moe_layer_with_an_empty_quantizer_cache_cpu():
+    """torch.compile(fullgraph) of the FP8 layer in a state where no shared
+    quantizer exists yet: the traced call must not build one (json inside
+    the traced region is not traceable)."""
+    from lpmoe import _value_fields
+    torch.manual_seed(0)
+    layer = lpmoe.moe.MoELayer(128, 64, num_experts=4, top_k=2, device="cpu", params_dtype=torch.bfloat16)
+    x = torch.randn(24, 128, dtype=torch.bfloat16)
+    want = None
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        want = layer(x)
+    _value_fields._SHARED.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        got = compiled(x)
+    assert torch.equal(got, want)

@@ -86,12 +86,7 @@ def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None,
     if with_dbias:
         ws = torch.empty((max(tiles, 1), k), dtype=torch.float32, device=g.device)
         dbias = torch.empty((g.num_tensors, k), dtype=g.dtype, device=g.device)
-    ext().fp8_block_quantize(
-        x.view(rows, k), g.padded_row_offsets, g.num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim,
-        q.pow2_scales, q.amax_epsilon,
-        out.rowwise_data if q.rowwise else None, out.scale_inv if q.rowwise else None,
-        out.columnwise_data if q.columnwise else None, out.columnwise_scale_inv if q.columnwise else None,
-        True, noop_flag, ws, tiles, None)
+    _launch_grouped(x.view(rows, k), g, q, out, noop_flag=noop_flag, dbias_workspace=ws, tiles=tiles)
     if with_dbias:
         if rows == 0 or k == 0:
             dbias.zero_()
@@ -100,30 +95,47 @@ def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None,
     return out, dbias
 
 
+def _launch_grouped(x: torch.Tensor, g: GroupedTensor, q: Float8BlockQuantizer, out: GroupedTensor, *,
+                    noop_flag=None, dbias_workspace=None, tiles: int, row_source=None) -> None:
+    """The grouped quantize kernel over the members of ``g`` into ``out``
+    (x: the (rows, K) input, or with ``row_source`` the token matrix the
+    rows are gathered from)."""
+    ext().fp8_block_quantize(
+        x, g.padded_row_offsets, g.num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim, q.pow2_scales,
+        q.amax_epsilon,
+        out.rowwise_data if q.rowwise else None, out.scale_inv if q.rowwise else None,
+        out.columnwise_data if q.columnwise else None, out.columnwise_scale_inv if q.columnwise else None,
+        True, noop_flag, dbias_workspace, tiles, row_source)
+
+
+#: token dtypes the gathering kernels read
+GATHER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_gather_input(tokens: torch.Tensor, q: Float8BlockQuantizer) -> None:
+    """What :func:`gather_quantize` needs of the tokens (checked before any launch)."""
+    _check_k(tokens.shape[1])
+    if tokens.dtype not in GATHER_DTYPES:
+        raise TypeError(f"tokens must be bfloat16 or float16 to be quantized as they are gathered, got "
+                        f"{tokens.dtype}")
+    if not tokens.is_contiguous() or tokens.data_ptr() % 16:
+        raise ValueError("tokens must be contiguous and 16-byte aligned to be quantized as they are gathered")
+
+
 def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: torch.Tensor,
                     q: Float8BlockQuantizer) -> GroupedTensor:
     """group_quantize of the grouped rows ``tokens[row_source[r]]`` (a zero
     row where row_source[r] is -1), members ``first_dims``, read straight
     from ``tokens`` (the kernels' QuantizeArgs::row_source): the rows are
-    never made.  bf16/fp16 tokens (the kernels that gather)."""
+    never made.  Tokens as :func:`check_gather_input` requires."""
+    check_gather_input(tokens, q)
     rows, k = row_source.shape[0], tokens.shape[1]
-    _check_k(k)
-    if tokens.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"tokens must be bfloat16 or float16 to be quantized as they are gathered, got "
-                        f"{tokens.dtype}")
-    if tokens.data_ptr() % 16:
-        raise ValueError("tokens must be 16-byte aligned")
     # The group's layout (members, offsets) without data of its own: a
     # zero-stride placeholder stands in for the (rows, k) input it describes.
     layout = GroupedTensor(num_tensors=first_dims.numel(), logical_shape=(rows, k), dtype=tokens.dtype,
                            rowwise_data=tokens.new_empty(1).expand(rows * k), first_dims=first_dims)
     out = allocate(q, layout)
-    ext().fp8_block_quantize(
-        tokens, layout.padded_row_offsets, layout.num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim,
-        q.pow2_scales, q.amax_epsilon,
-        out.rowwise_data if q.rowwise else None, out.scale_inv if q.rowwise else None,
-        out.columnwise_data if q.columnwise else None, out.columnwise_scale_inv if q.columnwise else None,
-        True, None, None, max_row_tiles(layout), row_source)
+    _launch_grouped(tokens, layout, q, out, tiles=max_row_tiles(layout), row_source=row_source)
     return out
 
 

@@ -77,6 +77,7 @@ class LinearConfig:
     need: Needs
     fuse_wgrad_accumulation: bool = False
     stacked: bool = False  # one (G, N, K) weight (+ (G, N) bias) instead of G of each
+    save_original_input: bool = False
 
 
 @shares_offsets
@@ -84,7 +85,8 @@ def linear_forward_impl(x2d: torch.Tensor, splits: Splits, weights, biases, cfg:
     """y and what the backward reads: (y, (saved_x, saved_w))."""
     need = cfg.need
     wsrc = WeightSource(weights, cfg.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
-    out, fw = linear_forward(cfg.policy, Tokens(hp=x2d), wsrc, biases, splits, need)
+    out, fw = linear_forward(cfg.policy, Tokens(hp=x2d, save_original=cfg.save_original_input), wsrc, biases,
+                             splits, need)
     return out, (fw.saved_x if need.wgrad else None, fw.saved_w if need.dgrad else None)
 
 
@@ -146,7 +148,8 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
                    recipe: Optional[Recipe] = None, *,
                    weight_cache: Optional[WeightCache] = None,
                    is_first_microbatch: Optional[bool] = None,
-                   fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
+                   fuse_wgrad_accumulation: bool = False,
+                   save_original_input: bool = False) -> torch.Tensor:
     """Grouped linear layer: rows of expert t (in order) times ``W_t^T`` (+ ``b_t``).
 
     Args:
@@ -180,6 +183,16 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
             and an add per expert.  As in TransformerEngine, autograd then
             gets a placeholder gradient (and ``grad_added_to_main_grad`` is
             set) for weights that have that attribute, None for the others.
+        save_original_input: keep the input itself for the backward
+            instead of the copy the recipe made of it (TransformerEngine's
+            option of the same name): under FP8 block scaling x's
+            transposed FP8 copy (rows x in_features bytes) is not held
+            between forward and backward but quantized again before the
+            weight-gradient GEMM (one more read of x, the same bits).  It
+            saves memory where the caller keeps x anyway (an input that
+            other layers also save, or the MoE layer's tokens).  Other
+            recipes keep what they keep already; compiled calls keep the
+            copy.
     Returns (..., out_features) in the input's dtype.
 
     Errors are raised before any GPU work.  Quantized inputs (GroupedTensor,
@@ -196,8 +209,9 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
         raise ValueError("is_first_microbatch needs a weight_cache to keep the quantized weights in")
     if weight_cache is not None and not isinstance(weight_cache, WeightCache):
         raise TypeError(f"weight_cache must be an lpmoe.functional.WeightCache, got {type(weight_cache).__name__}")
-    if not isinstance(fuse_wgrad_accumulation, bool):
-        raise TypeError(f"fuse_wgrad_accumulation must be a bool, got {fuse_wgrad_accumulation!r}")
+    for name, v in (("fuse_wgrad_accumulation", fuse_wgrad_accumulation), ("save_original_input", save_original_input)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
     grad_enabled = torch.is_grad_enabled()
     need = needs_of(inp, weights, biases, grad_enabled)
     if tracing():
@@ -213,7 +227,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
     if fuse_wgrad_accumulation and grad_enabled:
         check_main_grads(weights)
     cfg = LinearConfig(policy_for(recipe), g, biases is not None, weight_cache, is_first_microbatch, grad_enabled,
-                       need, fuse_wgrad_accumulation, is_stacked(weights))
+                       need, fuse_wgrad_accumulation, is_stacked(weights), save_original_input)
     params = as_inputs(weights) + as_inputs(biases)
     out = _GroupedLinear.apply(x2d.contiguous(), splits, cfg, *params)
     return out.view(*inp.shape[:-1], n)

@@ -33,11 +33,12 @@ from lpmoe.activation.spec import Activation, parse_activation
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
+from lpmoe.functional.mlp_args import LayerParams, check_fc2, check_layer, check_probs
 from lpmoe.functional.linear import needs_of
 from lpmoe.functional.linear_steps import (backward_steps, bias_step, dgrad_step, fused_wgrad_results, linear_forward,
                                            main_grads_of, wgrad_step)
-from lpmoe.functional.params import Params, as_inputs, from_inputs, grads_for, input_count, is_stacked
-from lpmoe.functional.row_source import RowSource
+from lpmoe.functional.params import as_inputs, from_inputs, grads_for, input_count, is_stacked
+from lpmoe.functional.gathered_rows import GatheredRows
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource
 from lpmoe.grouped_tensor import GroupedTensor, shares_offsets
@@ -53,18 +54,6 @@ CALLS = {"grouped_mlp": 0}
 
 
 @dataclass
-class LayerParams:
-    """One grouped linear layer of the MLP: G weights (out, in) and optional
-    G biases, or one stacked (G, out, in) weight and optional (G, out) bias
-    (lpmoe.functional.params), and the options of
-    :func:`lpmoe.functional.grouped_linear`."""
-    weights: Params
-    biases: Optional[Params] = None
-    weight_cache: Optional[WeightCache] = None
-    fuse_wgrad_accumulation: bool = False
-
-
-@dataclass
 class _Layer:
     policy: LinearPolicy
     num: int
@@ -73,6 +62,7 @@ class _Layer:
     fuse_wgrad_accumulation: bool
     shape: tuple = field(default=())
     stacked: bool = False
+    save_original_input: bool = False
 
 
 @dataclass
@@ -108,7 +98,7 @@ SAVED = ("x1", "w1", "probs", "w2", "h", "x2")
 
 
 @shares_offsets
-def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig, source: Optional[RowSource] = None):
+def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig, source: Optional[GatheredRows] = None):
     """y and the saved objects (SAVED order).  With ``source`` fc1's input
     is quantized from ``source``'s tokens (x2d) as it is gathered."""
     w1, b1, used = split_params(params, cfg.fc1)
@@ -117,7 +107,8 @@ def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig, source:
     need_act = need2.dgrad
     spec = cfg.spec
     ws1 = WeightSource(w1, cfg.fc1.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
-    x1 = Tokens(gathered=source) if source is not None else Tokens(hp=x2d)
+    keep = cfg.fc1.save_original_input
+    x1 = Tokens(gathered=source, save_original=keep) if source is not None else Tokens(hp=x2d, save_original=keep)
     h, fw1 = linear_forward(cfg.fc1.policy, x1, ws1, b1, splits, need1)
     del x1
     write_hp, q_act = cfg.fc2.policy.activation_output(need2)
@@ -229,12 +220,17 @@ class _GroupedMLP(torch.autograd.Function):
     implementation as the op ``lpmoe::grouped_mlp``, lpmoe.library.layer_ops)."""
 
     @staticmethod
-    def forward(ctx, x2d, probs, splits, cfg: MLPConfig, source: Optional[RowSource], *params):
+    def forward(ctx, x2d, probs, splits, cfg: MLPConfig, source: Optional[GatheredRows], *params):
         y, objs = mlp_forward_impl(x2d, probs, splits, params, cfg, source)
         x1, w1s, p, sw2, h, sx2 = objs
         # Parameters and the caller's tensors go through save_for_backward;
         # what this function made (h, the quantized copies) is held, so the
-        # backward drops each right after its last reader.
+        # backward drops each right after its last reader.  Routed tokens
+        # kept for fc1's wgrad (save_original_input) are saved as the
+        # tokens, their map held beside.
+        ctx.x1_routing = None
+        if isinstance(x1, GatheredRows):
+            ctx.x1_routing, x1 = x1.for_backward(), x1.tokens
         copies = {k: o for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2)) if isinstance(o, GroupedTensor)}
         saved.save(ctx, *(None if k in copies else o for k, o in (("x1", x1), ("w1", w1s), ("p", p), ("w2", sw2))))
         saved.hold(ctx, h=h, x2=sx2, **{k: copies.get(k) for k in ("x1", "w1", "w2")})
@@ -244,13 +240,16 @@ class _GroupedMLP(torch.autograd.Function):
         ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)
         ctx.dtype = x2d.dtype
-        ctx.source = source
+        ctx.source = source.for_backward() if source is not None else None  # the map, not the tokens
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         cfg = ctx.cfg
         x1, w1s, probs, w2s = saved.load(ctx)
+        if ctx.x1_routing is not None and x1 is not None:
+            x1 = ctx.x1_routing.with_tokens(x1)
+        ctx.x1_routing = None
         kept = {"x1": x1, "w1": w1s, "probs": probs, "w2": w2s}
         del x1, w1s, probs, w2s
 
@@ -287,45 +286,7 @@ def mlp_grads_list(cfg: MLPConfig, dx, dprobs, w1_grads, b1_grads, w2_grads, b2_
     return grads
 
 
-def _check_probs(probs, inp: torch.Tensor, lead: tuple) -> Optional[torch.Tensor]:
-    if probs is None:
-        return None
-    if not isinstance(probs, torch.Tensor) or tuple(probs.shape) not in (lead, lead + (1,)):
-        got = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
-        raise ValueError(f"probs must have one value per token row, shape {lead}, got {got}")
-    if probs.dtype not in (torch.float32, torch.bfloat16, torch.float16) or probs.device != inp.device:
-        raise TypeError(f"probs must be fp32/bf16/fp16 on {inp.device}, got {probs.dtype} on {probs.device}")
-    return probs.reshape(-1)
-
-
-def _layer(params: LayerParams, name: str):
-    if not isinstance(params, LayerParams):
-        raise TypeError(f"{name} must be an lpmoe.functional.LayerParams, got {type(params).__name__}")
-    if params.weight_cache is not None and not isinstance(params.weight_cache, WeightCache):
-        raise TypeError(f"{name}.weight_cache must be an lpmoe.functional.WeightCache, got "
-                        f"{type(params.weight_cache).__name__}")
-    if not isinstance(params.fuse_wgrad_accumulation, bool):
-        raise TypeError(f"{name}.fuse_wgrad_accumulation must be a bool, got {params.fuse_wgrad_accumulation!r}")
-    return params
-
-
-def _check_fc2(inp, fc2: LayerParams, g: int, hidden: int, ffn: int) -> None:
-    ws = fc2.weights
-    if isinstance(ws, torch.Tensor):
-        if tuple(ws.shape) != (g, hidden, ffn):
-            raise ValueError(f"fc2.weights as one tensor must be (G={g}, hidden={hidden}, ffn={ffn}), got "
-                             f"{tuple(ws.shape)}")
-    else:
-        if not isinstance(ws, (list, tuple)) or len(ws) != g:
-            raise ValueError(f"fc2.weights must be a list of {g} tensors (one per expert), got "
-                             f"{len(ws) if isinstance(ws, (list, tuple)) else type(ws).__name__}")
-        if not isinstance(ws[0], torch.Tensor) or tuple(ws[0].shape) != (hidden, ffn):
-            raise ValueError(f"fc2.weights must be (hidden={hidden}, ffn={ffn}) per expert, got "
-                             f"{tuple(ws[0].shape) if isinstance(ws[0], torch.Tensor) else type(ws[0]).__name__}")
-    check_params(inp.new_empty((0, ffn)), ws, fc2.biases)
-
-
-def grouped_mlp(inp: Union[torch.Tensor, RowSource], m_splits, fc1: LayerParams, fc2: LayerParams, *,
+def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerParams, fc2: LayerParams, *,
                 activation: Union[str, Activation] = "swiglu", probs: Optional[torch.Tensor] = None,
                 recipe: Optional[Recipe] = None, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
     """Expert MLP ``fc2(act(fc1(x)) * probs)`` with the activation fused (see
@@ -335,14 +296,14 @@ def grouped_mlp(inp: Union[torch.Tensor, RowSource], m_splits, fc1: LayerParams,
         inp: (tokens, hidden) or (..., hidden) grouped by expert, as for
             :func:`lpmoe.functional.grouped_linear` (rows past sum(m_splits)
             are a capacity tail: output and input-gradient rows there are 0).
-            Or a RowSource (lpmoe.moe.RoutedTokens: tokens plus their
+            Or a GatheredRows (lpmoe.moe.RoutedTokens: tokens plus their
             routing map) standing for those rows: under FP8 block scaling
             fc1's input is then quantized as it is gathered from the tokens
             (the rows are never made), else the rows are made first; the
             gradient goes to the tokens and the output is the rows'
             (num_rows, hidden).
         m_splits: tokens per expert (CUDA int tensor: graph-safe; list / CPU
-            tensor: host path).  None with a RowSource (its counts).
+            tensor: host path).  None with a GatheredRows (its counts).
         fc1: G weights (W, hidden) with W = 2*ffn for GLU activations (gate
             rows first), biases optional.  fc2: G weights (hidden, ffn).
         activation: "swiglu" (default), "geglu", "gelu", "relu",
@@ -353,29 +314,29 @@ def grouped_mlp(inp: Union[torch.Tensor, RowSource], m_splits, fc1: LayerParams,
         is_first_microbatch: FP8 weight caching of both layers (needs their
             weight caches; see grouped_linear).
     Returns (..., hidden) in the input's dtype ((num_rows, hidden) for a
-    RowSource).  Errors are raised before any GPU work.
+    GatheredRows).  Errors are raised before any GPU work.
     """
     source = None
-    routed = isinstance(inp, RowSource)  # then the output is the rows' (num_rows, hidden)
+    routed = isinstance(inp, GatheredRows)  # then the output is the rows' (num_rows, hidden)
     if routed:
         source, inp = inp, inp.tokens
         if m_splits is not None:
-            raise ValueError("with routed tokens (a RowSource) m_splits must be None: the rows per expert are "
+            raise ValueError("with routed tokens (a GatheredRows) m_splits must be None: the rows per expert are "
                              "the routing map's")
         m_splits = source.m_splits
     inp, m_splits, probs = ready(inp), ready(m_splits), ready(probs)
-    fc1, fc2 = _layer(fc1, "fc1"), _layer(fc2, "fc2")
+    fc1, fc2 = check_layer(fc1, "fc1"), check_layer(fc2, "fc2")
     spec = parse_activation(activation)
     g, w, hidden = check_params(inp, fc1.weights, fc1.biases)
     if spec.is_glu and w % 2:
         raise ValueError(f"{spec.kind} needs fc1's out_features to be even (gate and value halves), got {w}")
     ffn = w // 2 if spec.is_glu else w
-    _check_fc2(inp, fc2, g, hidden, ffn)
+    check_fc2(inp, fc2, g, hidden, ffn)
     if recipe is None:
         recipe = get_autocast_recipe()
     x2d = inp.reshape(-1, hidden)
     rows = source.num_rows if source is not None else x2d.shape[0]
-    p = _check_probs(probs, inp, (rows,) if source is not None else tuple(inp.shape[:-1]))
+    p = check_probs(probs, inp, (rows,) if source is not None else tuple(inp.shape[:-1]))
     splits = (splits_for_checks if tracing() else parse_splits)(m_splits, g, rows, inp.device)
     check_recipe(recipe, inp.dtype, w, hidden, splits, inp.is_cuda, inp.device)
     check_recipe(recipe, inp.dtype, hidden, ffn, splits, inp.is_cuda, inp.device)
@@ -391,16 +352,17 @@ def grouped_mlp(inp: Union[torch.Tensor, RowSource], m_splits, fc1: LayerParams,
                 check_main_grads(lp.weights)
     grad_enabled = torch.is_grad_enabled()
     needs = mlp_needs(inp, p, fc1, fc2, grad_enabled)
-    policy = policy_for(recipe)
     if source is not None:
-        q = policy.input_quantizer(needs[0])
+        # (traced: the layer op reads rows; no policy objects are made there)
+        q = None if tracing() else policy_for(recipe).input_quantizer(needs[0])
         if q is None or not source.can_quantize(q):
             x2d, source = source.rows(), None  # this recipe (or the traced call) reads the rows themselves
     if tracing():  # (the op counts its own runs: lpmoe.library.layer_ops.CALLS)
         out = OPS["grouped_mlp"](x2d.contiguous(), p, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs)
         return out if routed else out.view(*inp.shape[:-1], hidden)
+    policy = policy_for(recipe)
     l1 = _Layer(policy, g, fc1.biases is not None, fc1.weight_cache, fc1.fuse_wgrad_accumulation,
-                (g, w, hidden), is_stacked(fc1.weights))
+                (g, w, hidden), is_stacked(fc1.weights), fc1.save_original_input)
     l2 = _Layer(policy, g, fc2.biases is not None, fc2.weight_cache, fc2.fuse_wgrad_accumulation,
                 (g, hidden, ffn), is_stacked(fc2.weights))
     cfg = MLPConfig(spec, l1, l2, p is not None, is_first_microbatch, grad_enabled, needs)

@@ -70,18 +70,24 @@ class GroupedLinear(torch.nn.Module):
         single_grouped_parameter: one (G, out, in) weight parameter (and one
             (G, out) bias) instead of G (TransformerEngine's argument of
             that name).
+        save_original_input: keep the input itself for the backward, not
+            the recipe's copy of it (TransformerEngine's argument of that
+            name; see :func:`lpmoe.functional.grouped_linear`).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cuda",
                  init_method: Optional[Callable[[torch.Tensor], None]] = None,
-                 fuse_wgrad_accumulation: bool = False, single_grouped_parameter: bool = False):
+                 fuse_wgrad_accumulation: bool = False, single_grouped_parameter: bool = False,
+                 save_original_input: bool = False):
         super().__init__()
         for name, v in (("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
-                        ("single_grouped_parameter", single_grouped_parameter)):
+                        ("single_grouped_parameter", single_grouped_parameter),
+                        ("save_original_input", save_original_input)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {v!r}")
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.save_original_input = save_original_input
         self.single_grouped_parameter = single_grouped_parameter
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -165,7 +171,8 @@ class GroupedLinear(torch.nn.Module):
         weights, biases = self.functional_params()
         return grouped_linear(inp, m_splits, weights, biases, get_autocast_recipe(),
                               weight_cache=self.weight_cache, is_first_microbatch=is_first_microbatch,
-                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+                              save_original_input=self.save_original_input)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

@@ -16,7 +16,8 @@ __all__ = ["GroupedMLP"]
 def layer_params(linear: GroupedLinear) -> LayerParams:
     """A GroupedLinear's parameters and options, for lpmoe.functional.grouped_mlp."""
     weights, biases = linear.functional_params()
-    return LayerParams(weights, biases, linear.weight_cache, linear.fuse_wgrad_accumulation)
+    return LayerParams(weights, biases, linear.weight_cache, linear.fuse_wgrad_accumulation,
+                       linear.save_original_input)
 
 
 class GroupedMLP(torch.nn.Module):
@@ -44,6 +45,9 @@ class GroupedMLP(torch.nn.Module):
         single_grouped_parameter: each layer holds one stacked (G, out, in)
             weight parameter instead of G (see GroupedLinear); state dicts
             keep the per-expert keys.
+        save_original_input: fc1 keeps its input itself (or, given
+            lpmoe.moe.RoutedTokens, the tokens) for the backward instead of
+            the FP8 copy (see GroupedLinear); fc2's input is made inside.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int,
@@ -51,7 +55,8 @@ class GroupedMLP(torch.nn.Module):
                  params_dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cuda",
                  init_method: Optional[Callable[[torch.Tensor], None]] = None,
                  output_layer_init_method: Optional[Callable[[torch.Tensor], None]] = None,
-                 fuse_wgrad_accumulation: bool = False, single_grouped_parameter: bool = False):
+                 fuse_wgrad_accumulation: bool = False, single_grouped_parameter: bool = False,
+                 save_original_input: bool = False):
         super().__init__()
         self.activation = parse_activation(activation)
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
@@ -64,7 +69,7 @@ class GroupedMLP(torch.nn.Module):
         kw = dict(bias=bias, params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                   single_grouped_parameter=single_grouped_parameter)
         self.linear_fc1 = GroupedLinear(num_experts, hidden_size, self.activation.input_width(ffn_hidden_size),
-                                        init_method=init_method, **kw)
+                                        init_method=init_method, save_original_input=save_original_input, **kw)
         self.linear_fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size,
                                         init_method=output_layer_init_method, **kw)
 

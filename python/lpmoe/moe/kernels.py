@@ -108,7 +108,10 @@ def gather_impl(src, row_map, scale):
 def row_sources(row_map: torch.Tensor, num_rows: int) -> torch.Tensor:
     """(num_rows,) int32: the token whose slot row_map sends to each row, -1
     for rows no slot names (the inverse map; ``row_map`` must not repeat a
-    row).  Eager only: the fused gather paths that read it are not traced."""
+    row).  Eager only (see permute_quantize)."""
+    if tracing():
+        raise RuntimeError("kernels.row_sources runs eagerly only (lpmoe.moe.permute_quantize falls back to "
+                           "permute_rows + group_quantize while tracing)")
     row_map = ready(row_map)
     _check_map(row_map, row_map.shape[0], None, row_map.device)
     if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:

@@ -8,6 +8,8 @@ from typing import Optional, Union
 import torch
 
 from lpmoe.activation.spec import Activation
+from lpmoe.autocast import get_autocast_recipe
+from lpmoe.library.routing import tracing
 from lpmoe.module.grouped_mlp import GroupedMLP
 from lpmoe.moe.dispatch import CapacityAllToAll, HostSplitAllToAll, LocalDispatch
 from lpmoe.moe.expert_numbering import register_global_expert_numbering
@@ -15,6 +17,7 @@ from lpmoe.moe.permute import permute_probs, permute_rows, unpermute
 from lpmoe.moe.routed_tokens import RoutedTokens
 from lpmoe.moe.router import TopKRouter
 from lpmoe.moe.routing_map import routing_map
+from lpmoe.policy import Needs, policy_for
 
 __all__ = ["MoELayer", "attach_aux_loss"]
 
@@ -69,13 +72,20 @@ class MoELayer(torch.nn.Module):
             (E_local, out, in) weight each instead of E_local (less host
             work per step; see lpmoe.GroupedLinear); the state dict is the
             same.
+        save_original_input: the experts keep their input itself for the
+            backward, not its FP8 copy (see below and lpmoe.GroupedMLP).
 
-    Without expert parallelism the experts receive the tokens and the
-    routing map (``lpmoe.moe.RoutedTokens``, ``m_splits`` None) instead of
-    permuted rows: under FP8 block scaling fc1's input is quantized as it is
-    gathered from the tokens, so the bf16 grouped rows are never made
-    (forward hooks on ``self.experts`` see that object; ``.rows()`` gives
-    the rows).
+    Without expert parallelism, under FP8 block scaling, the experts
+    receive the tokens and the routing map (``lpmoe.moe.RoutedTokens``,
+    ``m_splits`` None) instead of permuted rows: fc1's input is quantized as
+    it is gathered from the tokens, so the bf16 grouped rows are never made
+    (forward hooks on ``self.experts`` then see that object; ``.rows()``
+    gives the rows).  Other recipes, and replaced expert modules, get the
+    permuted rows.  With ``save_original_input=True`` the experts keep no copy of
+    their input for the backward either: fc1's weight-gradient GEMM reads a
+    transposed FP8 copy gathered from the tokens again (which the router
+    keeps anyway), one more pass over the tokens for k x T x H bytes less
+    held between forward and backward.
 
     The state dict numbers experts globally (``experts.linear_fc1.weight{e}``
     for global expert e) on every rank, so a single-GPU state dict loads on
@@ -89,7 +99,8 @@ class MoELayer(torch.nn.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, normalize: Optional[bool] = None,
                  capacity_factor: Optional[float] = None, dispatch_fp8: bool = False, bias: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cuda",
-                 init_method=None, output_layer_init_method=None, single_grouped_parameter: bool = False):
+                 init_method=None, output_layer_init_method=None, single_grouped_parameter: bool = False,
+                 save_original_input: bool = False):
         super().__init__()
         if capacity_factor is not None and (isinstance(capacity_factor, bool) or
                                             not isinstance(capacity_factor, (int, float)) or
@@ -117,7 +128,8 @@ class MoELayer(torch.nn.Module):
         self.experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size, activation=activation,
                                   bias=bias, params_dtype=params_dtype, device=device, init_method=init_method,
                                   output_layer_init_method=output_layer_init_method,
-                                  single_grouped_parameter=single_grouped_parameter)
+                                  single_grouped_parameter=single_grouped_parameter,
+                                  save_original_input=save_original_input)
         self.dispatch_fp8 = bool(dispatch_fp8)
         self.aux_loss_scale = 1.0
         self.aux_loss: Optional[torch.Tensor] = None
@@ -148,7 +160,7 @@ class MoELayer(torch.nn.Module):
         disp = self._dispatcher(cap)
         rmap = routing_map(routed.indices, self.num_experts, cap, layout=disp.layout)
         probs = permute_probs(routed.probs, rmap)
-        if isinstance(disp, LocalDispatch):
+        if isinstance(disp, LocalDispatch) and self._experts_gather():
             # The experts read the tokens through the map: under FP8 block
             # scaling fc1's input is quantized as it is gathered, so the
             # bf16 grouped rows are never made (lpmoe.moe.routed_tokens).
@@ -162,6 +174,16 @@ class MoELayer(torch.nn.Module):
         if not torch.compiler.is_compiling():
             self.aux_loss, self.tokens_dropped = routed.aux_loss.detach(), rmap.dropped
         return attach_aux_loss(out, routed.aux_loss, self.aux_loss_scale).view(x.shape)
+
+    def _experts_gather(self) -> bool:
+        """Hand the experts RoutedTokens: they are lpmoe's GroupedMLP, the
+        call is eager and the active recipe quantizes their input as it
+        gathers it (FP8 block scaling).  Otherwise the plain call with
+        permuted rows, so other recipes, replaced expert modules and hooks
+        see what they always saw."""
+        if tracing() or not isinstance(self.experts, GroupedMLP):
+            return False
+        return policy_for(get_autocast_recipe()).input_quantizer(Needs(dgrad=True, wgrad=True, dbias=False)) is not None
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, ep_size={self.ep_size}, "

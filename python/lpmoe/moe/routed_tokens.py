@@ -7,27 +7,27 @@ experts' fc1 would quantize that copy (read it again, write FP8 rows and
 the per-expert transposed copy).  :func:`permute_quantize` does both in
 one pass: the FP8 block quantize kernels read grouped row r from token
 ``row_source[r]`` (the routing map inverted, one small kernel), so the bf16
-rows are never made: about a third less DRAM traffic for the expert input
-and, more important, the layer's largest activation (k x T x H bf16) never
-exists.  Same bits as ``group_quantize(permute_rows(x, rmap))`` by
-construction (a permutation is a copy).
+rows are never made: about a third less DRAM traffic for the expert input,
+and the layer's largest activation (k x T x H bf16) never exists.  Same
+bits as ``group_quantize(permute_rows(x, rmap))`` by construction (a
+permutation is a copy).
 
 :class:`RoutedTokens` is the expert MLP's view of it
-(lpmoe.functional.row_source.RowSource): ``GroupedMLP(RoutedTokens(x,
+(lpmoe.functional.gathered_rows.GatheredRows): ``GroupedMLP(RoutedTokens(x,
 rmap))`` quantizes fc1's input this way when the recipe quantizes it
 (FP8 block scaling) and the call is eager; otherwise (bf16, emulated
-recipes, a high-precision backward, fp32 tokens, torch.compile) it
-permutes the rows first, exactly as before.  The backward sums the rows'
-gradient back to the tokens (the permutation's backward kernel).
-``CALLS`` counts which path ran.
+recipes, a high-precision backward, fp32 or misaligned tokens,
+torch.compile) it permutes the rows first, exactly as before.  The backward
+sums the rows' gradient back to the tokens (the permutation's backward
+kernel).  ``CALLS`` counts which path ran.
 """
 from __future__ import annotations
 
 import torch
 
 from lpmoe._async_inputs import ready
-from lpmoe.fp8_block_ops import gather_quantize
-from lpmoe.functional.row_source import RowSource
+from lpmoe.fp8_block_ops import GATHER_DTYPES, check_gather_input, gather_quantize
+from lpmoe.functional.gathered_rows import GatheredRows
 from lpmoe.library.routing import tracing
 from lpmoe.moe import kernels
 from lpmoe.moe.permute import _check_rows, permute_rows
@@ -38,9 +38,6 @@ from lpmoe.quantizers import Float8BlockQuantizer
 __all__ = ["RoutedTokens", "permute_quantize", "CALLS"]
 
 CALLS = {"kernel_permute_quantize": 0, "reference_permute_quantize": 0}
-
-_GATHER_DTYPES = (torch.bfloat16, torch.float16)
-
 
 def _check(x: torch.Tensor, rmap: RoutingMap) -> None:
     _check_rows(x, "x")
@@ -59,9 +56,10 @@ def permute_quantize(x: torch.Tensor, rmap: RoutingMap, quantizer: Float8BlockQu
     """``group_quantize(permute_rows(x, rmap), quantizer, first_dims=rmap.m_splits)``
     in one pass over the tokens (see the module docstring): a GroupedTensor
     of ``rmap.num_rows`` rows in ``rmap.num_experts`` members.  x (T, H)
-    bf16/fp16 on the GPU (any float dtype on CPU, through the reference);
-    packed routing map; FP8 block quantizer.  No autograd; graph-safe
-    (nothing read on the host)."""
+    bf16/fp16 and 16-byte aligned on the GPU (any float dtype on CPU,
+    through the reference); packed routing map; FP8 block quantizer.  No
+    autograd; graph-safe (nothing read on the host).  While tracing
+    (torch.compile) it runs as the two ops it replaces."""
     x = ready(x)
     _check(x, rmap)
     if not isinstance(quantizer, Float8BlockQuantizer):
@@ -72,18 +70,31 @@ def permute_quantize(x: torch.Tensor, rmap: RoutingMap, quantizer: Float8BlockQu
 
 def _permute_quantize(x, rmap, quantizer):
     """permute_quantize on checked arguments."""
-    if x.device.type != "cuda":
-        CALLS["reference_permute_quantize"] += 1
-        rows, _ = kernels.scatter(x, rmap.row_map, rmap.num_rows, zero_from=rmap.used_rows)
+    if x.device.type != "cuda" or tracing():
+        if not tracing():
+            CALLS["reference_permute_quantize"] += 1
+        rows = permute_rows(x, rmap)
         return group_quantize(rows, quantizer, num_tensors=rmap.num_experts, first_dims=rmap.m_splits)
-    if x.dtype not in _GATHER_DTYPES:
-        raise TypeError(f"x must be bfloat16 or float16 on the GPU, got {x.dtype} (quantize permute_rows(x) instead)")
+    check_gather_input(x, quantizer)  # before any launch
     CALLS["kernel_permute_quantize"] += 1
     source = kernels.row_sources(rmap.row_map, rmap.num_rows)
-    return gather_quantize(x.contiguous(), source, rmap.m_splits, quantizer)
+    return gather_quantize(x, source, rmap.m_splits, quantizer)
 
 
-class RoutedTokens(RowSource):
+class _RoutingOnly:
+    """The part of RoutedTokens a backward keeps: the map, not the tokens."""
+
+    def __init__(self, rmap: RoutingMap):
+        self.rmap = rmap
+
+    def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
+        return kernels.gather(d_rows.contiguous(), self.rmap.row_map)
+
+    def with_tokens(self, tokens: torch.Tensor) -> "RoutedTokens":
+        return RoutedTokens(tokens, self.rmap)
+
+
+class RoutedTokens(GatheredRows):
     """Tokens x (T, H) and the routing map that sends them to the experts'
     rows: what ``GroupedMLP`` takes in place of ``permute_rows(x, rmap)``
     (then with ``m_splits=None``; the map's counts are the splits).  The
@@ -92,7 +103,7 @@ class RoutedTokens(RowSource):
     def __init__(self, tokens: torch.Tensor, rmap: RoutingMap):
         tokens = ready(tokens)
         _check(tokens, rmap)
-        self.tokens = tokens
+        self.tokens = tokens.contiguous()  # (once: the gathers and the autograd input share it)
         self.rmap = rmap
 
     @property
@@ -107,11 +118,17 @@ class RoutedTokens(RowSource):
         return permute_rows(self.tokens, self.rmap)
 
     def can_quantize(self, quantizer) -> bool:
-        return (isinstance(quantizer, Float8BlockQuantizer) and not tracing()
-                and (self.tokens.device.type != "cuda" or self.tokens.dtype in _GATHER_DTYPES))
+        if not isinstance(quantizer, Float8BlockQuantizer) or tracing():
+            return False
+        t = self.tokens
+        return t.device.type != "cuda" or (t.dtype in GATHER_DTYPES and t.data_ptr() % 16 == 0)
 
     def quantize(self, quantizer):
         return _permute_quantize(self.tokens.detach(), self.rmap, quantizer)  # (checked when made)
 
     def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
-        return kernels.gather(d_rows.contiguous(), self.rmap.row_map)
+        return self.for_backward().grad_to_tokens(d_rows)
+
+    def for_backward(self) -> _RoutingOnly:
+        return _RoutingOnly(self.rmap)
+

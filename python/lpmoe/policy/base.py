@@ -53,11 +53,15 @@ class Tokens:
     """A layer's token operand (activations or output gradient), as high
     precision (rows, C) and/or already quantized by a fused kernel, or as
     rows still to be gathered from a token matrix (``gathered``, an
-    lpmoe.functional.row_source.RowSource; only for a policy whose
-    :meth:`LinearPolicy.input_quantizer` takes it)."""
+    lpmoe.functional.gathered_rows.GatheredRows; only for a policy whose
+    :meth:`LinearPolicy.input_quantizer` takes it).  ``save_original``: the
+    caller keeps ``hp`` / ``gathered`` alive anyway (TE's
+    save_original_input), so a policy may save that reference for its
+    backward instead of a copy it made, and re-derive what wgrad reads."""
     hp: Optional[torch.Tensor] = None
     quantized: Optional[GroupedTensor] = None
     gathered: object = None
+    save_original: bool = False
 
 
 @dataclass

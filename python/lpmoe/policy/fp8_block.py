@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
+from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.policy.base import (Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows,
                                recipe_quantizer)
 from lpmoe.quantize import group_quantize, group_quantize_dbias
@@ -50,13 +53,30 @@ class Fp8Block(_Fp8Forward):
     bits are the same."""
 
     def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
-        qx = self._quantized_x(x, splits, columnwise=need.wgrad)
+        # save_original: keep the caller's input (or the tokens it is
+        # gathered from) instead of x's transposed FP8 copy, and quantize
+        # that copy again right before wgrad (wgrad_tokens): x's rows x K
+        # bytes are not held between forward and backward, for one more
+        # read of x.  Same bits (each direction is its own pass anyway).
+        keep = x.save_original and need.wgrad and x.quantized is None
+        qx = self._quantized_x(x, splits, columnwise=need.wgrad and not keep)
         # The cache keeps the transposed copy whenever grads may be asked
         # for, so micro-batches with and without dgrad share one cache.
         qw = self._quantized_w(weights, columnwise=weights.grad_enabled)
-        saved_x = qx.direction_view(columnwise=True) if need.wgrad and qx.columnwise_data is not None else None
+        if keep:
+            saved_x = x.gathered if x.gathered is not None else x.hp
+        else:
+            saved_x = qx.direction_view(columnwise=True) if need.wgrad and qx.columnwise_data is not None else None
         saved_w = qw.direction_view(columnwise=True, keep_other_scales=True) if need.dgrad else None
         return Forward(x=qx, w=qw, saved_x=saved_x, saved_w=saved_w)
+
+    def wgrad_tokens(self, saved_x, splits):
+        if isinstance(saved_x, GroupedTensor):
+            return saved_x
+        q = self.quantizer("input", False, True)  # the original input kept (save_original): its transposed copy now
+        if isinstance(saved_x, torch.Tensor):
+            return group_quantize(saved_x, q, num_tensors=splits.num, first_dims=splits.device)
+        return saved_x.quantize(q)  # a GatheredRows
 
     def grad(self, dy, splits, need: Needs) -> Grad:
         if not (need.dgrad or need.wgrad):

@@ -6,10 +6,10 @@ that order first (a bf16 (rows, hidden) buffer, k times the tokens) and then
 quantizing the copy moves every byte three times; an FP8 recipe can instead
 quantize straight from the tokens, gathering each grouped row as it goes
 (lpmoe.moe.RoutedTokens: the FP8 block quantize kernels read row r from
-token row_source[r]).  The bf16 rows then never exist, neither in memory nor
+token ``row_source[r]``).  The bf16 rows then never exist, neither in memory nor
 in DRAM traffic.
 
-:class:`RowSource` is the interface lpmoe.functional.grouped_mlp uses; the
+:class:`GatheredRows` is the interface lpmoe.functional.grouped_mlp uses; the
 implementation lives with the routing code (lpmoe.moe.routed_tokens), which
 depends on this package and not the other way round.
 """
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RowSource"]
+__all__ = ["GatheredRows"]
 
 
-class RowSource:
+class GatheredRows:
     """Grouped expert rows defined by a token matrix and a map.
 
     ``tokens`` (T, hidden) is what autograd differentiates; ``num_rows``
@@ -49,4 +49,13 @@ class RowSource:
     def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
         """(T, hidden) gradient of ``tokens`` from the rows' gradient (the
         backward of :meth:`rows`)."""
+        raise NotImplementedError
+
+    def for_backward(self):
+        """What a backward keeps besides autograd's saved tensors: the map
+        without the tokens, with ``grad_to_tokens(d_rows)`` and
+        ``with_tokens(tokens)`` (this object again around the tokens the
+        backward unpacked; the tokens themselves go through
+        save_for_backward, so saved-tensor hooks and version checks see
+        them)."""
         raise NotImplementedError
