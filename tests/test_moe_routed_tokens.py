@@ -139,6 +139,42 @@ def test_mlp_reads_routed_tokens_like_permuted_rows_cpu(recipe_name):
     _assert_runs_equal(got, want, int(rm.used_rows))
 
 
+def _run_summed(routed: bool, x, rm, probs, w1, w2, recipe, b2=None):
+    """Tokens' outputs and every gradient of the MLP summed back to the
+    tokens: RoutedTokens(sum_to_tokens=True) vs unpermute of the rows path."""
+    for t in [x, probs] + w1 + w2 + (b2 or []):
+        t.grad = None
+    pg = permute_probs(probs, rm)
+    fc2 = LayerParams(w2, b2)
+    if routed:
+        y = grouped_mlp(RoutedTokens(x, rm, sum_to_tokens=True), None, LayerParams(w1), fc2, probs=pg,
+                        recipe=recipe)
+    else:
+        y = lpmoe.moe.unpermute(grouped_mlp(permute_rows(x, rm), rm.m_splits, LayerParams(w1), fc2, probs=pg,
+                                            recipe=recipe), rm)
+    gen = torch.Generator().manual_seed(11)
+    y.backward(torch.randn(y.shape, generator=gen).to(y.device, y.dtype))
+    return [y.detach().clone(), x.grad.clone(), probs.grad.clone()] + [w.grad.clone() for w in w1 + w2 + (b2 or [])]
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8", "none"])
+def test_mlp_sums_rows_to_tokens_like_unpermute_cpu(recipe_name):
+    recipe = Float8BlockScaling() if recipe_name == "fp8" else None
+    t, k, e, h, f = 70, 2, 4, 128, 128
+    x = _tokens(t, h, torch.bfloat16, "cpu", edges=False).requires_grad_()
+    rm = routing_map(_indices(t, k, e, drop=0.1, seed=4), e, capacity=30)
+    probs = torch.rand(t, k).requires_grad_()
+    w1, w2 = _mlp_params(e, h, f, torch.bfloat16, "cpu")
+    before = routed_tokens.CALLS["reference_permute_quantize"]
+    got = _run_summed(True, x, rm, probs, w1, w2, recipe)
+    assert got[0].shape == (t, h)
+    # FP8: fc1's input, then fc2's output gradient in two passes; bf16: none
+    assert routed_tokens.CALLS["reference_permute_quantize"] - before == (3 if recipe is not None else 0)
+    want = _run_summed(False, x, rm, probs, w1, w2, recipe)
+    for i, (u, v) in enumerate(zip(got, want)):
+        assert torch.equal(u, v), i
+
+
 def test_moe_layer_gathers_fp8_expert_input_cpu():
     torch.manual_seed(0)
     layer = lpmoe.moe.MoELayer(128, 64, num_experts=4, top_k=2, device="cpu", params_dtype=torch.bfloat16)
@@ -147,10 +183,11 @@ def test_moe_layer_gathers_fp8_expert_input_cpu():
     with lpmoe.autocast(recipe=Float8BlockScaling()):
         y = layer(x)
     y.float().sum().backward()
-    assert routed_tokens.CALLS["reference_permute_quantize"] == before["reference_permute_quantize"] + 1
+    # fc1's input in the forward, fc2's output gradient (one pass per direction) in the backward
+    assert routed_tokens.CALLS["reference_permute_quantize"] == before["reference_permute_quantize"] + 3
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()
     y_bf16 = layer(x)  # no recipe: the rows are permuted first, as before
-    assert routed_tokens.CALLS["reference_permute_quantize"] == before["reference_permute_quantize"] + 1
+    assert routed_tokens.CALLS["reference_permute_quantize"] == before["reference_permute_quantize"] + 3
     assert y_bf16.shape == y.shape
 
 
@@ -234,6 +271,25 @@ def test_gpu_mlp_routed_tokens_bit_identical_to_permuted_rows(override, misalign
 
 
 @requires_cuda
+@pytest.mark.parametrize("fc2_bias", [False, True])
+def test_gpu_mlp_sums_rows_to_tokens_bit_identical(fc2_bias):
+    """sum_to_tokens on the GPU: the tokens' outputs and every gradient equal
+    unpermute of the rows path; fc2's output gradient is gathered (two
+    passes) unless fc2 has a bias, whose gradient needs the rows."""
+    x, rm, probs, w1, w2 = _gpu_mlp_case()
+    b2 = [torch.randn(w.shape[0], device="cuda", dtype=torch.bfloat16).requires_grad_() for w in w2] \
+        if fc2_bias else None
+    recipe = Float8BlockScaling()
+    want = _run_summed(False, x, rm, probs, w1, w2, recipe, b2)
+    poison_allocator()
+    before = routed_tokens.CALLS["kernel_permute_quantize"]
+    got = _run_summed(True, x, rm, probs, w1, w2, recipe, b2)
+    assert routed_tokens.CALLS["kernel_permute_quantize"] - before == (1 if fc2_bias else 3)
+    for i, (u, v) in enumerate(zip(got, want)):
+        assert torch.equal(u, v), i
+
+
+@requires_cuda
 def test_gpu_routed_tokens_graph_replays_with_new_routing_and_no_sync():
     t, k, e, h, f = 512, 2, 8, 256, 128
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -291,6 +347,7 @@ def test_gpu_moe_layer_gathers_and_matches_the_unfused_composition(capacity_fact
         y = layer(x)
     assert routed_tokens.CALLS["kernel_permute_quantize"] == before + 1
     y.backward(gy)
+    assert routed_tokens.CALLS["kernel_permute_quantize"] == before + 3  # + fc2's output gradient, two passes
     got_y, got = y.detach(), grads()
     x.grad = None
     layer.zero_grad(set_to_none=True)

@@ -140,6 +140,76 @@ def test_routed_tokens_keep_the_tokens_cpu():
         assert torch.equal(u, v)
 
 
+def test_inplace_change_of_a_kept_input_is_an_error():
+    """Keeping x itself means autograd checks it was not modified in place
+    before the backward (as in TransformerEngine); the FP8 copy does not."""
+    for keep in (True, False):
+        torch.manual_seed(0)
+        layer = lpmoe.GroupedLinear(G, H, 64, params_dtype=torch.bfloat16, device="cpu", save_original_input=keep)
+        inp = torch.randn(60, H, dtype=torch.bfloat16, requires_grad=True)
+        with lpmoe.autocast(recipe=Float8BlockScaling()):
+            y = layer(inp, [20, 20, 20])
+        with torch.no_grad():
+            inp.mul_(2)
+        if keep:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.float().sum().backward()
+        else:
+            y.float().sum().backward()
+
+
+def test_rows_made_in_the_call_are_not_kept_cpu(monkeypatch):
+    """Routed tokens that fall back to rows (here: the gathering path
+    refused) make the rows inside the call: keeping them would cost more
+    than the FP8 copy, so fc1 keeps the copy even with the option on."""
+    t, k, e = 64, 2, G
+    x = torch.randn(t, H, dtype=torch.bfloat16, requires_grad=True)
+    rm = routing_map(torch.stack([torch.randperm(e)[:k] for _ in range(t)]), e)
+
+    def kept(keep):
+        mlp = _mlp(keep)
+
+        def run():
+            with lpmoe.autocast(recipe=Float8BlockScaling()):
+                return mlp(RoutedTokens(x, rm), None)
+        return _kept_bytes(run)[0]
+    monkeypatch.setattr(RoutedTokens, "can_quantize", lambda self, q: False)
+    assert kept(True) == kept(False)
+
+
+def test_moe_layer_option_reaches_only_the_routed_tokens():
+    layer = lpmoe.moe.MoELayer(128, 64, 4, 2, device="cpu", params_dtype=torch.bfloat16, save_original_input=True)
+    assert layer.save_original_input and not layer.experts.linear_fc1.save_original_input
+    seen = []
+    layer.experts.register_forward_pre_hook(lambda mod, args: seen.append(getattr(args[0], "save_original", None)))
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        layer(torch.randn(10, 128, dtype=torch.bfloat16))
+    assert seen == [True]
+
+
+def test_ops_grouped_linear_passes_the_option_and_sequential_keeps_fc2_unfused():
+    from lpmoe.functional import mlp as mlp_mod
+    torch.manual_seed(0)
+    lin = lpmoe.ops.GroupedLinear(G, H, 64, params_dtype=torch.bfloat16, device="cpu", save_original_input=True)
+    x = torch.randn(30, H, dtype=torch.bfloat16, requires_grad=True)
+    storages = set()
+
+    def pack(t):
+        storages.add(t.untyped_storage().data_ptr())
+        return t
+    with lpmoe.autocast(recipe=Float8BlockScaling()), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lin(x, [10, 10, 10])
+    assert x.untyped_storage().data_ptr() in storages
+    seq = lpmoe.ops.Sequential(lpmoe.ops.GroupedLinear(G, H, 2 * FFN, params_dtype=torch.bfloat16, device="cpu"),
+                               lpmoe.ops.SwiGLU(),
+                               lpmoe.ops.GroupedLinear(G, FFN, H, params_dtype=torch.bfloat16, device="cpu",
+                                                       save_original_input=True))
+    before = mlp_mod.CALLS["grouped_mlp"]
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        seq(x, [10, 10, 10])
+    assert mlp_mod.CALLS["grouped_mlp"] == before  # fc2 keeps its input: the chain runs unfused
+
+
 def test_option_is_checked():
     with pytest.raises(TypeError, match="save_original_input"):
         lpmoe.GroupedLinear(2, 128, 128, device="cpu", save_original_input=1)
@@ -149,6 +219,11 @@ def test_option_is_checked():
     with pytest.raises(TypeError, match="fc1.save_original_input"):
         grouped_mlp(torch.randn(4, 128), [2, 2], LayerParams(w, save_original_input=None),
                     LayerParams([torch.randn(128, 32) for _ in range(2)]))
+    with pytest.raises(ValueError, match="fc2.save_original_input"):
+        grouped_mlp(torch.randn(4, 128), [2, 2], LayerParams(w),
+                    LayerParams([torch.randn(128, 32) for _ in range(2)], save_original_input=True))
+    with pytest.raises(TypeError, match="save_original_input"):
+        lpmoe.moe.MoELayer(128, 64, 4, 2, device="cpu", save_original_input="yes")
 
 
 # ----------------------------------------------------------------------- GPU
@@ -177,8 +252,9 @@ def test_gpu_same_bits_and_less_memory_per_token():
             torch.cuda.synchronize()
             a_.append(torch.cuda.memory_allocated() - base)
             k_.append(nbytes)
+            mlp.zero_grad(set_to_none=True)
             y.backward(torch.ones_like(y))
-            res[(keep, tokens)] = [y.detach(), x.grad] + [w.grad for w in mlp.parameters()]
+            res[(keep, tokens)] = [y.detach(), x.grad] + [w.grad.clone() for w in mlp.parameters()]
             del y
         kept[keep] = (k_[1] - k_[0]) / 4096
         alive[keep] = (a_[1] - a_[0]) / 4096
@@ -187,6 +263,29 @@ def test_gpu_same_bits_and_less_memory_per_token():
             assert torch.equal(u, v)
     assert kept[False] - kept[True] == (h_ + h_ / 32) - 2 * h_
     assert alive[False] - alive[True] == pytest.approx(h_ + h_ / 32, rel=0.15)
+
+
+@requires_cuda
+def test_gpu_grouped_linear_uneven_splits_same_bits():
+    """GroupedLinear on the GPU with the option on and off: uneven members
+    (empty, single rows, 128 +- 1), a capacity tail and a partial 128-column
+    tile (K 208); outputs, input and weight gradients bitwise."""
+    torch.manual_seed(0)
+    layers = [lpmoe.GroupedLinear(5, 208, 96, params_dtype=torch.bfloat16, device="cuda", save_original_input=keep)
+              for keep in (True, False)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    splits = torch.tensor([0, 1, 127, 129, 40], device="cuda")
+    x = torch.randn(320, 208, dtype=torch.bfloat16, device="cuda", requires_grad=True)  # 23 tail rows
+    dy = torch.randn(320, 96, dtype=torch.bfloat16, device="cuda")
+    outs = []
+    for layer in layers:
+        x.grad = None
+        with lpmoe.autocast(recipe=Float8BlockScaling()):
+            y = layer(x, splits)
+        y.backward(dy)
+        outs.append([y.detach(), x.grad.clone()] + [w.grad.clone() for w in layer.weights])
+    for i, (u, v) in enumerate(zip(*outs)):
+        assert torch.equal(u, v), i
 
 
 @requires_cuda
@@ -210,11 +309,12 @@ def test_gpu_routed_tokens_keep_the_tokens_graph_and_bits():
         with lpmoe.autocast(recipe=recipe):
             y = layer(x)
         y.backward(torch.ones_like(y))
-        return (y.detach(), x.grad, layer.experts.linear_fc1.weights[0].grad, layer.router.weight.grad)
+        return (y.detach(), x.grad) + tuple(p.grad for p in layer.parameters())
 
     before = routed_tokens.CALLS["kernel_permute_quantize"]
     a = step(layers[0])
-    assert routed_tokens.CALLS["kernel_permute_quantize"] - before == 2
+    # fc1's input, its transposed copy again for wgrad, fc2's output gradient in two passes
+    assert routed_tokens.CALLS["kernel_permute_quantize"] - before == 4
     b = step(layers[1])
     for u, v in zip(a, b):
         assert torch.equal(u, v)

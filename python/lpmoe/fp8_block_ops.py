@@ -112,7 +112,7 @@ def _launch_grouped(x: torch.Tensor, g: GroupedTensor, q: Float8BlockQuantizer, 
 GATHER_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def check_gather_input(tokens: torch.Tensor, q: Float8BlockQuantizer) -> None:
+def check_gather_input(tokens: torch.Tensor) -> None:
     """What :func:`gather_quantize` needs of the tokens (checked before any launch)."""
     _check_k(tokens.shape[1])
     if tokens.dtype not in GATHER_DTYPES:
@@ -128,7 +128,7 @@ def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: 
     row where row_source[r] is -1), members ``first_dims``, read straight
     from ``tokens`` (the kernels' QuantizeArgs::row_source): the rows are
     never made.  Tokens as :func:`check_gather_input` requires."""
-    check_gather_input(tokens, q)
+    check_gather_input(tokens)
     rows, k = row_source.shape[0], tokens.shape[1]
     # The group's layout (members, offsets) without data of its own: a
     # zero-stride placeholder stands in for the (rows, k) input it describes.

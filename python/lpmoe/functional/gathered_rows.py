@@ -30,6 +30,14 @@ class GatheredRows:
     tokens: torch.Tensor
     num_rows: int
     m_splits: torch.Tensor
+    #: the MLP returns each token's sum over its rows' outputs, (T, hidden)
+    #: (:meth:`sum_rows`), instead of the rows' outputs; its backward then
+    #: receives the tokens' gradient and reads fc2's output gradient from it
+    #: through the same map
+    sum_to_tokens: bool = False
+    #: the caller keeps ``tokens`` alive anyway: fc1 may keep them for its
+    #: weight gradient instead of a quantized copy of the rows
+    save_original: bool = False
 
     def rows(self) -> torch.Tensor:
         """The grouped rows as a (num_rows, hidden) tensor, differentiable
@@ -51,11 +59,17 @@ class GatheredRows:
         backward of :meth:`rows`)."""
         raise NotImplementedError
 
+    def sum_rows(self, y_rows: torch.Tensor) -> torch.Tensor:
+        """(T, hidden): each token's sum over its rows of ``y_rows``,
+        differentiable (the unfused path of ``sum_to_tokens``)."""
+        raise NotImplementedError
+
     def for_backward(self):
         """What a backward keeps besides autograd's saved tensors: the map
         without the tokens, with ``grad_to_tokens(d_rows)`` and
-        ``with_tokens(tokens)`` (this object again around the tokens the
-        backward unpacked; the tokens themselves go through
-        save_for_backward, so saved-tensor hooks and version checks see
-        them)."""
+        ``with_tokens(tokens)`` (this object again around other tokens of
+        the same routing: the tokens the backward unpacked, which went
+        through save_for_backward so that saved-tensor hooks and version
+        checks see them, or, with ``sum_to_tokens``, the tokens' gradient,
+        whose rows are fc2's output gradient)."""
         raise NotImplementedError

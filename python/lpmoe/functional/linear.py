@@ -190,9 +190,12 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
             between forward and backward but quantized again before the
             weight-gradient GEMM (one more read of x, the same bits).  It
             saves memory where the caller keeps x anyway (an input that
-            other layers also save, or the MoE layer's tokens).  Other
-            recipes keep what they keep already; compiled calls keep the
-            copy.
+            other layers also save, or the MoE layer's tokens); modifying x
+            in place before the backward is then an error (autograd's
+            version check), as in TE.  A non-contiguous input (which is
+            copied here) keeps the FP8 copy; so do the other recipes and
+            backward_override modes (they keep what they keep already) and
+            compiled calls.
     Returns (..., out_features) in the input's dtype.
 
     Errors are raised before any GPU work.  Quantized inputs (GroupedTensor,
@@ -227,7 +230,8 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
     if fuse_wgrad_accumulation and grad_enabled:
         check_main_grads(weights)
     cfg = LinearConfig(policy_for(recipe), g, biases is not None, weight_cache, is_first_microbatch, grad_enabled,
-                       need, fuse_wgrad_accumulation, is_stacked(weights), save_original_input)
+                       need, fuse_wgrad_accumulation, is_stacked(weights),
+                       save_original_input and inp.is_contiguous())  # (else the copy made here would be kept)
     params = as_inputs(weights) + as_inputs(biases)
     out = _GroupedLinear.apply(x2d.contiguous(), splits, cfg, *params)
     return out.view(*inp.shape[:-1], n)

@@ -151,7 +151,10 @@ def mlp_backward_fc2(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main
     pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
     probs = take("probs")
 
-    grad2 = pol2.grad(grad_out.contiguous(), splits, need2)
+    if isinstance(grad_out, GatheredRows):  # fc2's output gradient as rows of the tokens' gradient
+        if not pol2.takes_gathered_grad(need2) or not grad_out.can_quantize(pol2.grad_quantizer(need2)):
+            grad_out = grad_out.rows()  # this policy reads the rows themselves
+    grad2 = pol2.grad(grad_out if isinstance(grad_out, GatheredRows) else grad_out.contiguous(), splits, need2)
     da, w2_grads, b2_grads = backward_steps(pol2, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
                                             dtype=dtype, main_grads=main_grads)
     del grad2
@@ -241,6 +244,9 @@ class _GroupedMLP(torch.autograd.Function):
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)
         ctx.dtype = x2d.dtype
         ctx.source = source.for_backward() if source is not None else None  # the map, not the tokens
+        ctx.sum_to_tokens = source is not None and source.sum_to_tokens
+        if ctx.sum_to_tokens:  # each token's sum over its rows (the unpermute), inside the function
+            y = ctx.source.grad_to_tokens(y)
         return y
 
     @staticmethod
@@ -259,6 +265,8 @@ class _GroupedMLP(torch.autograd.Function):
 
         fused1, fused2 = ctx.main_grads
         ctx.main_grads = (None, None)
+        if ctx.sum_to_tokens:  # the rows' gradient is the tokens' gradient through the map
+            grad_out = ctx.source.with_tokens(grad_out.contiguous())
         dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads = mlp_backward_impl(
             grad_out, take, ctx.splits, cfg, ctx.dtype, tuple(None if w is None else main_grads_of(w)
                                                               for w in (fused1, fused2)))
@@ -301,7 +309,9 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
             fc1's input is then quantized as it is gathered from the tokens
             (the rows are never made), else the rows are made first; the
             gradient goes to the tokens and the output is the rows'
-            (num_rows, hidden).
+            (num_rows, hidden), or with its ``sum_to_tokens`` each token's
+            sum over its rows (T, hidden), fc2's output gradient then also
+            quantized from the tokens' gradient through the map.
         m_splits: tokens per expert (CUDA int tensor: graph-safe; list / CPU
             tensor: host path).  None with a GatheredRows (its counts).
         fc1: G weights (W, hidden) with W = 2*ffn for GLU activations (gate
@@ -317,8 +327,10 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
     GatheredRows).  Errors are raised before any GPU work.
     """
     source = None
-    routed = isinstance(inp, GatheredRows)  # then the output is the rows' (num_rows, hidden)
-    if routed:
+    # a GatheredRows: the output is the rows' (num_rows, hidden), or with
+    # sum_to_tokens the tokens' (T, hidden)
+    routed = inp if isinstance(inp, GatheredRows) else None
+    if routed is not None:
         source, inp = inp, inp.tokens
         if m_splits is not None:
             raise ValueError("with routed tokens (a GatheredRows) m_splits must be None: the rows per expert are "
@@ -342,6 +354,9 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
     check_recipe(recipe, inp.dtype, hidden, ffn, splits, inp.is_cuda, inp.device)
     if inp.is_cuda and inp.dtype != torch.float32 and ffn % 16:
         raise ValueError(f"the activation kernels need ffn to be a multiple of 16, got {ffn}")
+    if fc2.save_original_input:
+        raise ValueError("fc2.save_original_input: fc2's input is made inside the MLP (the fused activation's "
+                         "output), so only fc1 can keep its input")
     if is_first_microbatch not in (None, True, False):
         raise TypeError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
     if is_first_microbatch is not None and (fc1.weight_cache is None or fc2.weight_cache is None):
@@ -359,10 +374,18 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
             x2d, source = source.rows(), None  # this recipe (or the traced call) reads the rows themselves
     if tracing():  # (the op counts its own runs: lpmoe.library.layer_ops.CALLS)
         out = OPS["grouped_mlp"](x2d.contiguous(), p, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs)
-        return out if routed else out.view(*inp.shape[:-1], hidden)
+        return _result(out, routed, False, inp, hidden)
     policy = policy_for(recipe)
+    # fc1 keeps its input itself only where the caller holds it anyway: a
+    # contiguous tensor input, or routed tokens read as they are gathered
+    # (rows made here for a recipe that does not gather, or a copy of a
+    # non-contiguous input, would cost more than the FP8 copy they replace)
+    if routed is not None:
+        keep1 = source is not None and (fc1.save_original_input or routed.save_original)
+    else:
+        keep1 = fc1.save_original_input and inp.is_contiguous()
     l1 = _Layer(policy, g, fc1.biases is not None, fc1.weight_cache, fc1.fuse_wgrad_accumulation,
-                (g, w, hidden), is_stacked(fc1.weights), fc1.save_original_input)
+                (g, w, hidden), is_stacked(fc1.weights), keep1)
     l2 = _Layer(policy, g, fc2.biases is not None, fc2.weight_cache, fc2.fuse_wgrad_accumulation,
                 (g, hidden, ffn), is_stacked(fc2.weights))
     cfg = MLPConfig(spec, l1, l2, p is not None, is_first_microbatch, grad_enabled, needs)
@@ -370,4 +393,13 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
     params: List[torch.Tensor] = (as_inputs(fc1.weights) + as_inputs(fc1.biases) + as_inputs(fc2.weights)
                                   + as_inputs(fc2.biases))
     out = _GroupedMLP.apply(x2d.contiguous(), p, splits, cfg, source, *params)
-    return out if routed else out.view(*inp.shape[:-1], hidden)
+    return _result(out, routed, source is not None, inp, hidden)
+
+
+def _result(out: torch.Tensor, routed: Optional[GatheredRows], fused: bool, inp: torch.Tensor, hidden: int):
+    """grouped_mlp's return value from the MLP's output ``out``: rows, or
+    with routed tokens and sum_to_tokens the tokens' sums (the fused
+    function returns those itself; the rows path sums them here)."""
+    if routed is None:
+        return out.view(*inp.shape[:-1], hidden)
+    return routed.sum_rows(out) if routed.sum_to_tokens and not fused else out

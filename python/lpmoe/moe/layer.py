@@ -72,15 +72,20 @@ class MoELayer(torch.nn.Module):
             (E_local, out, in) weight each instead of E_local (less host
             work per step; see lpmoe.GroupedLinear); the state dict is the
             same.
-        save_original_input: the experts keep their input itself for the
-            backward, not its FP8 copy (see below and lpmoe.GroupedMLP).
+        save_original_input: under FP8 block scaling the experts keep the
+            tokens (which the router's backward keeps anyway when its weight
+            has the tokens' dtype) for fc1's weight gradient instead of an
+            FP8 copy of their rows (see below).  No effect with expert
+            parallelism, whose rows are made by the exchange (keeping them
+            would cost more than the FP8 copy).
 
     Without expert parallelism, under FP8 block scaling, the experts
-    receive the tokens and the routing map (``lpmoe.moe.RoutedTokens``,
-    ``m_splits`` None) instead of permuted rows: fc1's input is quantized as
-    it is gathered from the tokens, so the bf16 grouped rows are never made
-    (forward hooks on ``self.experts`` then see that object; ``.rows()``
-    gives the rows).  Other recipes, and replaced expert modules, get the
+    receive the tokens and the routing map (``lpmoe.moe.RoutedTokens`` with
+    ``sum_to_tokens``, ``m_splits`` None) instead of permuted rows and
+    return the tokens' outputs: fc1's input and fc2's output gradient are
+    quantized as they are gathered from the tokens (and their gradient), so
+    the bf16 grouped rows are never made (forward hooks on ``self.experts``
+    then see that object; ``.rows()`` gives the rows).  Other recipes, and replaced expert modules, get the
     permuted rows.  With ``save_original_input=True`` the experts keep no copy of
     their input for the backward either: fc1's weight-gradient GEMM reads a
     transposed FP8 copy gathered from the tokens again (which the router
@@ -128,8 +133,10 @@ class MoELayer(torch.nn.Module):
         self.experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size, activation=activation,
                                   bias=bias, params_dtype=params_dtype, device=device, init_method=init_method,
                                   output_layer_init_method=output_layer_init_method,
-                                  single_grouped_parameter=single_grouped_parameter,
-                                  save_original_input=save_original_input)
+                                  single_grouped_parameter=single_grouped_parameter)
+        if not isinstance(save_original_input, bool):
+            raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
+        self.save_original_input = save_original_input
         self.dispatch_fp8 = bool(dispatch_fp8)
         self.aux_loss_scale = 1.0
         self.aux_loss: Optional[torch.Tensor] = None
@@ -161,16 +168,18 @@ class MoELayer(torch.nn.Module):
         rmap = routing_map(routed.indices, self.num_experts, cap, layout=disp.layout)
         probs = permute_probs(routed.probs, rmap)
         if isinstance(disp, LocalDispatch) and self._experts_gather():
-            # The experts read the tokens through the map: under FP8 block
-            # scaling fc1's input is quantized as it is gathered, so the
-            # bf16 grouped rows are never made (lpmoe.moe.routed_tokens).
-            y = self.experts(RoutedTokens(tokens, rmap), None, probs=probs, is_first_microbatch=is_first_microbatch)
+            # The experts read the tokens through the map and sum their rows'
+            # outputs back to the tokens: under FP8 block scaling fc1's input
+            # and fc2's output gradient are quantized as they are gathered,
+            # so neither bf16 (rows, H) buffer is made (lpmoe.moe.routed_tokens).
+            out = self.experts(RoutedTokens(tokens, rmap, sum_to_tokens=True, save_original=self.save_original_input),
+                               None, probs=probs, is_first_microbatch=is_first_microbatch)
         else:
             grouped = disp.dispatch(permute_rows(tokens, rmap), probs, rmap)
             y = disp.combine(self.experts(grouped.x, grouped.m_splits, probs=grouped.probs,
                                           is_first_microbatch=is_first_microbatch), grouped)
-        # probabilities were applied inside the experts (fused with the activation)
-        out = unpermute(y, rmap)
+            out = unpermute(y, rmap)
+        # (probabilities were applied inside the experts, fused with the activation)
         if not torch.compiler.is_compiling():
             self.aux_loss, self.tokens_dropped = routed.aux_loss.detach(), rmap.dropped
         return attach_aux_loss(out, routed.aux_loss, self.aux_loss_scale).view(x.shape)

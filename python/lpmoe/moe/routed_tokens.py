@@ -30,7 +30,7 @@ from lpmoe.fp8_block_ops import GATHER_DTYPES, check_gather_input, gather_quanti
 from lpmoe.functional.gathered_rows import GatheredRows
 from lpmoe.library.routing import tracing
 from lpmoe.moe import kernels
-from lpmoe.moe.permute import _check_rows, permute_rows
+from lpmoe.moe.permute import _check_rows, permute_rows, unpermute
 from lpmoe.moe.routing_map import RoutingMap
 from lpmoe.quantize import group_quantize
 from lpmoe.quantizers import Float8BlockQuantizer
@@ -56,7 +56,7 @@ def permute_quantize(x: torch.Tensor, rmap: RoutingMap, quantizer: Float8BlockQu
     """``group_quantize(permute_rows(x, rmap), quantizer, first_dims=rmap.m_splits)``
     in one pass over the tokens (see the module docstring): a GroupedTensor
     of ``rmap.num_rows`` rows in ``rmap.num_experts`` members.  x (T, H)
-    bf16/fp16 and 16-byte aligned on the GPU (any float dtype on CPU,
+    bf16/fp16 on the GPU (any float dtype on CPU,
     through the reference); packed routing map; FP8 block quantizer.  No
     autograd; graph-safe (nothing read on the host).  While tracing
     (torch.compile) it runs as the two ops it replaces."""
@@ -65,46 +65,66 @@ def permute_quantize(x: torch.Tensor, rmap: RoutingMap, quantizer: Float8BlockQu
     if not isinstance(quantizer, Float8BlockQuantizer):
         raise TypeError(f"quantizer must be an lpmoe.Float8BlockQuantizer (the format whose kernels gather rows), "
                         f"got {type(quantizer).__name__}")
-    return _permute_quantize(x.detach(), rmap, quantizer)
+    return _permute_quantize(x.detach().contiguous(), rmap, quantizer)[0]
 
 
-def _permute_quantize(x, rmap, quantizer):
-    """permute_quantize on checked arguments."""
+def _permute_quantize(x, rmap, quantizer, source=None):
+    """permute_quantize on checked arguments; ``source``: the map's row
+    sources if already computed (the GPU path returns them for reuse)."""
     if x.device.type != "cuda" or tracing():
         if not tracing():
             CALLS["reference_permute_quantize"] += 1
         rows = permute_rows(x, rmap)
-        return group_quantize(rows, quantizer, num_tensors=rmap.num_experts, first_dims=rmap.m_splits)
-    check_gather_input(x, quantizer)  # before any launch
+        return group_quantize(rows, quantizer, num_tensors=rmap.num_experts, first_dims=rmap.m_splits), None
+    check_gather_input(x)  # before any launch
     CALLS["kernel_permute_quantize"] += 1
-    source = kernels.row_sources(rmap.row_map, rmap.num_rows)
-    return gather_quantize(x, source, rmap.m_splits, quantizer)
+    if source is None:
+        source = kernels.row_sources(rmap.row_map, rmap.num_rows)
+    return gather_quantize(x, source, rmap.m_splits, quantizer), source
 
 
 class _RoutingOnly:
-    """The part of RoutedTokens a backward keeps: the map, not the tokens."""
+    """The part of RoutedTokens a backward keeps: the map (and its row
+    sources, once computed), not the tokens."""
 
-    def __init__(self, rmap: RoutingMap):
-        self.rmap = rmap
+    def __init__(self, rmap: RoutingMap, row_source):
+        self.rmap, self.row_source = rmap, row_source
 
     def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
         return kernels.gather(d_rows.contiguous(), self.rmap.row_map)
 
     def with_tokens(self, tokens: torch.Tensor) -> "RoutedTokens":
-        return RoutedTokens(tokens, self.rmap)
+        out = RoutedTokens(tokens, self.rmap)
+        out._row_source = self.row_source
+        return out
 
 
 class RoutedTokens(GatheredRows):
     """Tokens x (T, H) and the routing map that sends them to the experts'
     rows: what ``GroupedMLP`` takes in place of ``permute_rows(x, rmap)``
     (then with ``m_splits=None``; the map's counts are the splits).  The
-    MLP returns the grouped rows' outputs, (rmap.num_rows, H), as before."""
+    MLP returns the grouped rows' outputs, (rmap.num_rows, H), as before, or
+    with ``sum_to_tokens`` their sums per token, (T, H), as
+    ``unpermute(rows_out, rmap)`` would give them (without probabilities:
+    the MLP applies those): its backward then quantizes fc2's output
+    gradient straight from the tokens' gradient too, so no (rows, H)
+    gradient buffer is made either.  ``save_original``: the caller keeps the
+    tokens anyway (an MoE layer's router does), so the MLP may keep them for
+    fc1's weight gradient instead of an FP8 copy of the rows (the
+    MLP's save_original_input, for these tokens only)."""
 
-    def __init__(self, tokens: torch.Tensor, rmap: RoutingMap):
+    def __init__(self, tokens: torch.Tensor, rmap: RoutingMap, sum_to_tokens: bool = False,
+                 save_original: bool = False):
         tokens = ready(tokens)
         _check(tokens, rmap)
+        for name, v in (("sum_to_tokens", sum_to_tokens), ("save_original", save_original)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {v!r}")
         self.tokens = tokens.contiguous()  # (once: the gathers and the autograd input share it)
         self.rmap = rmap
+        self.sum_to_tokens = sum_to_tokens
+        self.save_original = save_original
+        self._row_source = None  # the inverse map, made by the first gathering quantize
 
     @property
     def num_rows(self) -> int:
@@ -124,11 +144,15 @@ class RoutedTokens(GatheredRows):
         return t.device.type != "cuda" or (t.dtype in GATHER_DTYPES and t.data_ptr() % 16 == 0)
 
     def quantize(self, quantizer):
-        return _permute_quantize(self.tokens.detach(), self.rmap, quantizer)  # (checked when made)
+        out, self._row_source = _permute_quantize(self.tokens.detach(), self.rmap, quantizer,
+                                                  self._row_source)  # (checked when made)
+        return out
 
     def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
         return self.for_backward().grad_to_tokens(d_rows)
 
-    def for_backward(self) -> _RoutingOnly:
-        return _RoutingOnly(self.rmap)
+    def sum_rows(self, y_rows: torch.Tensor) -> torch.Tensor:
+        return unpermute(y_rows, self.rmap)
 
+    def for_backward(self) -> _RoutingOnly:
+        return _RoutingOnly(self.rmap, self._row_source)

@@ -23,4 +23,6 @@ class GroupedLinear(BasicOperation, _GroupedLinearModule):
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         weights, biases = self.functional_params()
         return grouped_linear(inp, m_splits, weights, biases, self.active_recipe(),
-                              weight_cache=self.weight_cache, is_first_microbatch=is_first_microbatch)
+                              weight_cache=self.weight_cache, is_first_microbatch=is_first_microbatch,
+                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+                              save_original_input=self.save_original_input)

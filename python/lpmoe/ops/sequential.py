@@ -31,7 +31,9 @@ class Sequential(torch.nn.Sequential):
         ops, starts, i = list(self), [], 0
         while i + 2 < len(ops):
             a, act, b = ops[i:i + 3]
-            if a.takes_m_splits and b.takes_m_splits and getattr(act, "spec", None) is not None:
+            # (an fc2 that keeps its own input needs that input made: not fused)
+            if (a.takes_m_splits and b.takes_m_splits and getattr(act, "spec", None) is not None
+                    and not getattr(b, "save_original_input", False)):
                 starts.append(i)
                 i += 3
             else:

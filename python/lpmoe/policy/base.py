@@ -136,6 +136,11 @@ class LinearPolicy:
         caller then materialises them)."""
         return None
 
+    def takes_gathered_grad(self, need: Needs) -> bool:
+        """Whether :meth:`grad` takes the output gradient as rows to gather
+        (a lpmoe.functional.gathered_rows.GatheredRows) instead of a tensor."""
+        return False
+
     # --- what a fused activation in front of this layer writes (lpmoe.GroupedMLP)
     def activation_output(self, need: Needs):
         """(write the high-precision activation?, quantizer of the fused FP8

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from lpmoe.functional.gathered_rows import GatheredRows
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.policy.base import (Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows,
                                recipe_quantizer)
@@ -57,7 +58,8 @@ class Fp8Block(_Fp8Forward):
         # gathered from) instead of x's transposed FP8 copy, and quantize
         # that copy again right before wgrad (wgrad_tokens): x's rows x K
         # bytes are not held between forward and backward, for one more
-        # read of x.  Same bits (each direction is its own pass anyway).
+        # read of x.  Same bits (each direction of a 1x128 quantization is
+        # its own computation, whichever pass writes it).
         keep = x.save_original and need.wgrad and x.quantized is None
         qx = self._quantized_x(x, splits, columnwise=need.wgrad and not keep)
         # The cache keeps the transposed copy whenever grads may be asked
@@ -71,14 +73,21 @@ class Fp8Block(_Fp8Forward):
         return Forward(x=qx, w=qw, saved_x=saved_x, saved_w=saved_w)
 
     def wgrad_tokens(self, saved_x, splits):
-        if isinstance(saved_x, GroupedTensor):
+        if saved_x is None or isinstance(saved_x, GroupedTensor):
             return saved_x
         q = self.quantizer("input", False, True)  # the original input kept (save_original): its transposed copy now
         if isinstance(saved_x, torch.Tensor):
             return group_quantize(saved_x, q, num_tensors=splits.num, first_dims=splits.device)
         return saved_x.quantize(q)  # a GatheredRows
 
+    def takes_gathered_grad(self, need: Needs) -> bool:
+        # (a bias gradient is not fused into the gathering quantize)
+        return (need.dgrad or need.wgrad) and not need.dbias
+
     def grad(self, dy, splits, need: Needs) -> Grad:
+        if isinstance(dy, GatheredRows):  # each direction quantized straight from the tokens' gradient
+            return Grad(make=lambda grad, which: dy.quantize(
+                self.quantizer("grad", rowwise=which == "dgrad", columnwise=which == "wgrad")))
         if not (need.dgrad or need.wgrad):
             return Grad(hp=dy)
         def make(grad: Grad, which: str):
