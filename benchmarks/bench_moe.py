@@ -220,13 +220,14 @@ def bench_gather_quantize(t, k, h, e, copy_gbs, rows):
 
 
 def bench_layer_gather(t, h, f, e, k, rows, single=False):
-    """FP8 MoE layer step (fwd+bwd) in three variants, interleaved rounds:
+    """FP8 MoE layer step (fwd+bwd) in three variants and BF16, interleaved rounds:
     "tokens" the experts' input quantized straight from the tokens
     (RoutedTokens, the layer's default); "rows" the same layer with the bf16
     rows permuted first (RoutedTokens.can_quantize switched off: the MLP then
     makes the rows, the path before); "keep" as "tokens" with
     save_original_input=True (no FP8 copy of the rows kept for the backward;
-    gathered again for fc1's wgrad).  Eager and graph-replay (GPU) time, what
+    gathered again for fc1's wgrad); "bf16" the same layer without a
+    recipe.  Eager and graph-replay (GPU) time, what
     the forward leaves alive for the backward (output included), and the
     peaks of the forward alone and of the whole step above their start."""
     from lpmoe.moe import RoutedTokens
@@ -239,9 +240,12 @@ def bench_layer_gather(t, h, f, e, k, rows, single=False):
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     gathers = RoutedTokens.can_quantize
-    variants = ("tokens", "rows", "keep")
+    variants = ("tokens", "rows", "keep", "bf16")
 
     def forward(v):
+        if v == "bf16":  # the same layer without a recipe
+            with lpmoe.autocast(enabled=False):
+                return layers[False](x)
         # "rows": RoutedTokens refuses every quantizer, so the MLP permutes first
         RoutedTokens.can_quantize = gathers if v != "rows" else (lambda self, q: False)
         try:
@@ -292,7 +296,9 @@ def bench_layer_gather(t, h, f, e, k, rows, single=False):
         a, g = med[v]
         print(f"    {v:6s} {a:8.3f} [{min(eager[v]):.3f}-{max(eager[v]):.3f}] / {g:8.3f}   "
               f"{mem[v][0]:.2f} / {mem[v][1]:.2f} / {mem[v][2]:.2f}"
-              + ("" if v == "rows" else f"   vs rows: {med['rows'][0] / a:.3f}x eager, {med['rows'][1] / g:.3f}x GPU"))
+              + ("" if v in ("rows", "bf16") else f"   vs rows: {med['rows'][0] / a:.3f}x eager, "
+                 f"{med['rows'][1] / g:.3f}x GPU; vs bf16: {med['bf16'][1] / g:.3f}x GPU, step peak "
+                 f"{mem[v][2] / mem['bf16'][2]:.2f}x"))
     rows.append((f"layer fp8 T={t} E={e} tokens / keep vs rows permuted first",
                  f"GPU {med['rows'][1] / med['tokens'][1]:.3f}x / {med['rows'][1] / med['keep'][1]:.3f}x; "
                  f"alive after fwd {mem['tokens'][0]:.2f} / {mem['keep'][0]:.2f} vs {mem['rows'][0]:.2f} GiB"))
