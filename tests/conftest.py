@@ -45,6 +45,20 @@ def poison_allocator(large_bytes: int = 1 << 24) -> None:
         t.fill_(0xFF)
 
 
+def saved_storages(fn):
+    """(fn(), {storage data_ptr: nbytes}): the distinct storages autograd
+    saves for the backward while fn runs (a saved-tensor hook sees each)."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen
+
+
 def capture_graph(step):
     """Warm ``step`` up on a side stream, then capture it in a CUDA graph;
     returns (graph, the outputs of the captured call)."""

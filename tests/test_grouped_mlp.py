@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import lpmoe
 import lpmoe.functional.mlp as GM
-from conftest import requires_cuda
+from conftest import requires_cuda, saved_storages
 from lpmoe.activation import activation, kernels
 from lpmoe.recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
@@ -255,14 +255,7 @@ def rel_close(a, b, tol=1e-2):
 # ------------------------------------------------------- lean saved tensors
 def _saved_bytes(fn):
     """Bytes of the distinct storages autograd keeps for the backward."""
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
+    out, seen = saved_storages(fn)
     return sum(seen.values()), out
 
 

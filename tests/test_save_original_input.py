@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lpmoe
-from conftest import requires_cuda
+from conftest import requires_cuda, saved_storages
 from lpmoe.functional import LayerParams, grouped_mlp
 from lpmoe.functional.saved import held_bytes
 from lpmoe.moe import RoutedTokens, permute_probs, routing_map
@@ -31,14 +31,7 @@ def _node(y):
 
 def _kept_bytes(fn):
     """(bytes of the distinct storages autograd saves + what the MLP holds, output)."""
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fn()
+    y, seen = saved_storages(fn)
     return sum(seen.values()) + held_bytes(_node(y)), y
 
 
@@ -72,13 +65,8 @@ def test_grouped_linear_same_bits_and_keeps_the_input():
     outs = []
     for layer in layers:
         x.grad = None
-        storages = set()
-
-        def pack(t):
-            storages.add(t.untyped_storage().data_ptr())
-            return t
-        with lpmoe.autocast(recipe=Float8BlockScaling()), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = layer(x, [50, 50, 50])
+        with lpmoe.autocast(recipe=Float8BlockScaling()):
+            y, storages = saved_storages(lambda: layer(x, [50, 50, 50]))
         # the caller's x itself is saved only when asked
         assert (x.untyped_storage().data_ptr() in storages) == layer.save_original_input
         y.float().square().sum().backward()
@@ -122,17 +110,12 @@ def test_routed_tokens_keep_the_tokens_cpu():
         for q in [x, probs] + list(mlp.parameters()):
             q.grad = None
         before = routed_tokens.CALLS["reference_permute_quantize"]
-        storages = set()
-
-        def pack(t):
-            storages.add(t.untyped_storage().data_ptr())
-            return t
-        with lpmoe.autocast(recipe=Float8BlockScaling()), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = mlp(RoutedTokens(x, rm), None, probs=permute_probs(probs, rm))
+        with lpmoe.autocast(recipe=Float8BlockScaling()):
+            y, storages = saved_storages(lambda: mlp(RoutedTokens(x, rm), None, probs=permute_probs(probs, rm)))
         node = _node(y)
         # kept: the tokens through save_for_backward (hooks see them), the map beside; no FP8 copy held
         assert (x.untyped_storage().data_ptr() in storages) == keep
-        assert (node.x1_routing is not None) == keep and (node.held["x1"] is None) == keep
+        assert node.x1_from_source == keep and (node.held["x1"] is None) == keep
         y.backward(torch.ones_like(y))
         assert routed_tokens.CALLS["reference_permute_quantize"] - before == (2 if keep else 1)
         res[keep] = [y.detach(), x.grad.clone(), probs.grad.clone()] + [w.grad.clone() for w in mlp.parameters()]
@@ -192,13 +175,8 @@ def test_ops_grouped_linear_passes_the_option_and_sequential_keeps_fc2_unfused()
     torch.manual_seed(0)
     lin = lpmoe.ops.GroupedLinear(G, H, 64, params_dtype=torch.bfloat16, device="cpu", save_original_input=True)
     x = torch.randn(30, H, dtype=torch.bfloat16, requires_grad=True)
-    storages = set()
-
-    def pack(t):
-        storages.add(t.untyped_storage().data_ptr())
-        return t
-    with lpmoe.autocast(recipe=Float8BlockScaling()), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lin(x, [10, 10, 10])
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        _, storages = saved_storages(lambda: lin(x, [10, 10, 10]))
     assert x.untyped_storage().data_ptr() in storages
     seq = lpmoe.ops.Sequential(lpmoe.ops.GroupedLinear(G, H, 2 * FFN, params_dtype=torch.bfloat16, device="cpu"),
                                lpmoe.ops.SwiGLU(),

@@ -9,6 +9,30 @@
 namespace lpmoe {
 namespace binding {
 
+namespace {
+
+// The (tokens, experts) logits and the slot count every router kernel takes,
+// checked, and the fields their argument structs share, filled.
+template <typename Args>
+void score_args(Args& a, const at::Tensor& logits, int64_t k, bool sigmoid, bool normalize, const char* kernel) {
+  check_cuda(logits, "logits");
+  check_contiguous(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "lpmoe: `logits` must be (tokens, experts), got ", logits.sizes());
+  const int64_t e = logits.size(1);
+  TORCH_CHECK(e >= 1 && e <= router::kMaxExperts && k >= 1 && k <= router::kMaxTopK && k <= e, "lpmoe: ", kernel,
+              " takes 1..", router::kMaxExperts, " experts and 1..", router::kMaxTopK, " <= experts slots, got ", e,
+              " experts, k ", k);
+  a.logits = logits.data_ptr();
+  a.dtype = to_hp_dtype(logits.scalar_type(), "logits");
+  a.tokens = logits.size(0);
+  a.experts = static_cast<int>(e);
+  a.k = static_cast<int>(k);
+  a.sigmoid = sigmoid;
+  a.normalize = normalize;
+}
+
+}  // namespace
+
 int64_t router_grid_size(int64_t tokens) {
   return router::grid_size(tokens, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 }
@@ -16,23 +40,11 @@ int64_t router_grid_size(int64_t tokens) {
 void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normalize, const at::Tensor& probs,
                  const at::Tensor& indices, const c10::optional<at::Tensor>& lse,
                  const c10::optional<at::Tensor>& affinity, const c10::optional<at::Tensor>& counts) {
-  check_cuda(logits, "logits");
-  check_contiguous(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2, "lpmoe: `logits` must be (tokens, experts), got ", logits.sizes());
-  const int64_t t = logits.size(0), e = logits.size(1);
-  TORCH_CHECK(e >= 1 && e <= router::kMaxExperts && k >= 1 && k <= router::kMaxTopK && k <= e,
-              "lpmoe: the fused router takes 1..", router::kMaxExperts, " experts and 1..", router::kMaxTopK,
-              " <= experts slots, got ", e, " experts, k ", k);
+  router::TopKArgs a;
+  score_args(a, logits, k, sigmoid, normalize, "the fused router");
+  const int64_t t = a.tokens, e = a.experts;
   check_dense(probs, logits, "probs", "logits", at::kFloat, t * k);
   check_dense(indices, logits, "indices", "logits", at::kLong, t * k);
-  router::TopKArgs a;
-  a.logits = logits.data_ptr();
-  a.dtype = to_hp_dtype(logits.scalar_type(), "logits");
-  a.tokens = t;
-  a.experts = static_cast<int>(e);
-  a.k = static_cast<int>(k);
-  a.sigmoid = sigmoid;
-  a.normalize = normalize;
   a.probs = probs.data_ptr<float>();
   a.indices = indices.data_ptr<int64_t>();
   if (lse.has_value()) {
@@ -56,25 +68,13 @@ void router_topk(const at::Tensor& logits, int64_t k, bool sigmoid, bool normali
 void router_backward(const at::Tensor& logits, const at::Tensor& indices, const c10::optional<at::Tensor>& grad_probs,
                      const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_affinity,
                      bool sigmoid, bool normalize, const at::Tensor& grad_logits) {
-  check_cuda(logits, "logits");
-  check_contiguous(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2, "lpmoe: `logits` must be (tokens, experts), got ", logits.sizes());
-  TORCH_CHECK(indices.dim() == 2 && indices.size(0) == logits.size(0), "lpmoe: `indices` must be (tokens, k), got ",
-              indices.sizes());
-  const int64_t t = logits.size(0), e = logits.size(1), k = indices.size(1);
-  TORCH_CHECK(e >= 1 && e <= router::kMaxExperts && k >= 1 && k <= router::kMaxTopK && k <= e,
-              "lpmoe: the router backward takes 1..", router::kMaxExperts, " experts and 1..", router::kMaxTopK,
-              " <= experts slots, got ", e, " experts, k ", k);
+  TORCH_CHECK(indices.dim() == 2, "lpmoe: `indices` must be (tokens, k), got ", indices.sizes());
+  router::BackwardArgs a;
+  score_args(a, logits, indices.size(1), sigmoid, normalize, "the router backward");
+  const int64_t t = a.tokens, e = a.experts, k = a.k;
+  TORCH_CHECK(indices.size(0) == t, "lpmoe: `indices` must be (tokens, k), got ", indices.sizes());
   check_dense(indices, logits, "indices", "logits", at::kLong, t * k);
   check_dense(grad_logits, logits, "grad_logits", "logits", logits.scalar_type(), t * e);
-  router::BackwardArgs a;
-  a.logits = logits.data_ptr();
-  a.dtype = to_hp_dtype(logits.scalar_type(), "logits");
-  a.tokens = t;
-  a.experts = static_cast<int>(e);
-  a.k = static_cast<int>(k);
-  a.sigmoid = sigmoid;
-  a.normalize = normalize;
   a.indices = indices.data_ptr<int64_t>();
   if (grad_probs.has_value()) {
     check_dense(*grad_probs, logits, "grad_probs", "logits", at::kFloat, t * k);

@@ -54,9 +54,10 @@ class GatheredRows:
         making the rows.  No autograd."""
         raise NotImplementedError
 
-    def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) gradient of ``tokens`` from the rows' gradient (the
-        backward of :meth:`rows`)."""
+    def rows_to_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """(T, hidden): each token's sum over its rows of ``rows``, no
+        autograd (the backward of :meth:`rows`; the forward of
+        ``sum_to_tokens``)."""
         raise NotImplementedError
 
     def sum_rows(self, y_rows: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,7 @@ class GatheredRows:
 
     def for_backward(self):
         """What a backward keeps besides autograd's saved tensors: the map
-        without the tokens, with ``grad_to_tokens(d_rows)`` and
+        without the tokens, with :meth:`rows_to_tokens` and
         ``with_tokens(tokens)`` (this object again around other tokens of
         the same routing: the tokens the backward unpacked, which went
         through save_for_backward so that saved-tensor hooks and version

@@ -229,11 +229,11 @@ class _GroupedMLP(torch.autograd.Function):
         # Parameters and the caller's tensors go through save_for_backward;
         # what this function made (h, the quantized copies) is held, so the
         # backward drops each right after its last reader.  Routed tokens
-        # kept for fc1's wgrad (save_original_input) are saved as the
-        # tokens, their map held beside.
-        ctx.x1_routing = None
-        if isinstance(x1, GatheredRows):
-            ctx.x1_routing, x1 = x1.for_backward(), x1.tokens
+        # kept for fc1's wgrad (save_original_input: the source itself) are
+        # saved as the tokens; the map is ctx.source.
+        ctx.x1_from_source = isinstance(x1, GatheredRows)
+        if ctx.x1_from_source:
+            x1 = x1.tokens
         copies = {k: o for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2)) if isinstance(o, GroupedTensor)}
         saved.save(ctx, *(None if k in copies else o for k, o in (("x1", x1), ("w1", w1s), ("p", p), ("w2", sw2))))
         saved.hold(ctx, h=h, x2=sx2, **{k: copies.get(k) for k in ("x1", "w1", "w2")})
@@ -246,16 +246,15 @@ class _GroupedMLP(torch.autograd.Function):
         ctx.source = source.for_backward() if source is not None else None  # the map, not the tokens
         ctx.sum_to_tokens = source is not None and source.sum_to_tokens
         if ctx.sum_to_tokens:  # each token's sum over its rows (the unpermute), inside the function
-            y = ctx.source.grad_to_tokens(y)
+            y = ctx.source.rows_to_tokens(y)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         cfg = ctx.cfg
         x1, w1s, probs, w2s = saved.load(ctx)
-        if ctx.x1_routing is not None and x1 is not None:
-            x1 = ctx.x1_routing.with_tokens(x1)
-        ctx.x1_routing = None
+        if ctx.x1_from_source and x1 is not None:
+            x1 = ctx.source.with_tokens(x1)
         kept = {"x1": x1, "w1": w1s, "probs": probs, "w2": w2s}
         del x1, w1s, probs, w2s
 
@@ -271,7 +270,7 @@ class _GroupedMLP(torch.autograd.Function):
             grad_out, take, ctx.splits, cfg, ctx.dtype, tuple(None if w is None else main_grads_of(w)
                                                               for w in (fused1, fused2)))
         if ctx.source is not None and dx is not None:  # the rows' gradient back to the tokens
-            dx = ctx.source.grad_to_tokens(dx)
+            dx = ctx.source.rows_to_tokens(dx)
         ctx.source = None
         need1, need2, _ = cfg.needs
         if fused1 is not None and need1.wgrad:

@@ -90,8 +90,8 @@ class _RoutingOnly:
     def __init__(self, rmap: RoutingMap, row_source):
         self.rmap, self.row_source = rmap, row_source
 
-    def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
-        return kernels.gather(d_rows.contiguous(), self.rmap.row_map)
+    def rows_to_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        return kernels.gather(rows.contiguous(), self.rmap.row_map)
 
     def with_tokens(self, tokens: torch.Tensor) -> "RoutedTokens":
         out = RoutedTokens(tokens, self.rmap)
@@ -148,8 +148,8 @@ class RoutedTokens(GatheredRows):
                                                   self._row_source)  # (checked when made)
         return out
 
-    def grad_to_tokens(self, d_rows: torch.Tensor) -> torch.Tensor:
-        return self.for_backward().grad_to_tokens(d_rows)
+    def rows_to_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.for_backward().rows_to_tokens(rows)
 
     def sum_rows(self, y_rows: torch.Tensor) -> torch.Tensor:
         return unpermute(y_rows, self.rmap)
