@@ -20,7 +20,14 @@ PyTorch ops around GroupedMLP (router softmax/top-8, token sort, weighted
 un-sort: examples/compile_moe_block.py) and lpmoe's own layer,
 ``lpmoe.moe.MoELayer`` (fused router, routing map, permutation kernels,
 probabilities applied inside the experts, aux loss).  Step time: CUDA events around
-forward+backward, median of --iters after warm-up.  Ratios: "eager/mode"
+forward+backward, median of --iters after warm-up.
+
+``--routed``: only lpmoe's FP8 MoE layer, eager against compiled, and
+compiled against the same layer compiled as before routed tokens crossed the
+op boundary ("compile-rows": the experts get permuted bf16 rows, the
+unpermute runs outside them), at DeepSeek-V3 shapes (8k tokens, 64 experts,
+top-8, H 7168, F 2048) and the launch-bound one; with each step's peak
+memory above its start.  Ratios: "eager/mode"
 against eager of the same layout, "vs per-expert eager" against the
 default layer in eager mode (>1 = faster).
 """
@@ -128,14 +135,76 @@ def run_case(name, make_module, x, splits, recipe, iters, rounds, profile=False)
     return rows
 
 
+class _RowsLayer(lpmoe.moe.MoELayer):
+    """The MoE layer as torch.compile ran it before the MLP op took routed
+    tokens: the experts get permuted rows (another type: its own graph)."""
+
+    def _experts_gather(self) -> bool:
+        return False
+
+
+def routed_case(tokens, hidden, ffn, experts, top_k, iters, rounds):
+    """FP8 MoE layer: eager, compile, compile-rows, eager-rows (ms, peak GiB)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = lpmoe.moe.MoELayer(hidden, ffn, experts, top_k, params_dtype=torch.bfloat16)
+    rows_layer = _RowsLayer(hidden, ffn, experts, top_k, params_dtype=torch.bfloat16)
+    rows_layer.load_state_dict(layer.state_dict())
+    modes = {"eager": layer, "compile": torch.compile(layer, fullgraph=True),
+             "eager-rows": rows_layer, "compile-rows": torch.compile(rows_layer, fullgraph=True)}
+    owners = {"eager": layer, "compile": layer, "eager-rows": rows_layer, "compile-rows": rows_layer}
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step(k):
+        def f():
+            with lpmoe.autocast(recipe=Float8BlockScaling()):
+                y = modes[k](x)
+            y.backward(gy)
+            owners[k].zero_grad(set_to_none=True)
+            x.grad = None
+        return f
+
+    times = {k: [] for k in modes}
+    for _ in range(rounds):
+        for k in modes:
+            times[k] += _time(step(k), iters)[0]
+    peak = {}
+    for k in modes:
+        step(k)()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(k)()
+        torch.cuda.synchronize()
+        peak[k] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    med = {k: statistics.median(v) for k, v in times.items()}
+    name = f"moe layer fp8 T={tokens} E={experts} k={top_k} H={hidden}"
+    rows = []
+    for k in modes:
+        lo, hi = min(times[k]), max(times[k])
+        print(f"{name:40s} {k:12s} {med[k]:8.3f} ms [{lo:.3f}, {hi:.3f}]  eager/mode {med['eager'] / med[k]:.3f}  "
+              f"step peak {peak[k]:.2f} GiB", flush=True)
+        rows.append((f"{name} {k}", f"{med[k]:.3f} ms, eager/mode {med['eager'] / med[k]:.3f}, peak {peak[k]:.2f} GiB"))
+    print(f"{name:40s} compile-rows/compile {med['compile-rows'] / med['compile']:.3f}x time, "
+          f"peak {peak['compile'] / peak['compile-rows']:.2f}x", flush=True)
+    return rows
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="host-time profile of the small FP8 MLP (eager, compile)")
+    p.add_argument("--routed", action="store_true", help="only the FP8 MoE layer's routed-token cases")
     args = p.parse_args()
     torch.manual_seed(0)
     out = []
+    if args.routed:
+        out += routed_case(8192, 7168, 2048, 64, 8, args.iters, args.rounds)
+        out += routed_case(4096, 2048, 768, 64, 8, args.iters, args.rounds)
+        write_summary(args.summary, out)
+        return
     fp8 = Float8BlockScaling()
     for recipe, rname in ((None, "bf16"), (fp8, "fp8")):
         shapes = ((4096, 64, 2048, 768),) if args.quick else ((4096, 64, 2048, 768), (65536, 8, 7168, 2048))

@@ -255,11 +255,11 @@ def _gpu_mlp_case(seed=0, t=1024, k=4, e=8, h=256, f=128, misaligned=False):
 
 @requires_cuda
 @pytest.mark.parametrize("override,misaligned,gathers", [(None, False, True), ("dequantized", False, True),
-                                                        ("high_precision", False, False), (None, True, False)])
+                                                        ("high_precision", False, False), (None, True, True)])
 def test_gpu_mlp_routed_tokens_bit_identical_to_permuted_rows(override, misaligned, gathers):
-    """The recipes and tokens the gathering kernels take, and the ones that
-    fall back to permuted rows (a high-precision backward; tokens not
-    16-byte aligned, which the row kernels take)."""
+    """The recipes the gathering kernels take, and the one that falls back
+    to permuted rows (a high-precision backward); tokens not 16-byte
+    aligned are copied first (the kernels read 16-byte vectors)."""
     x, rm, probs, w1, w2 = _gpu_mlp_case(misaligned=misaligned)
     recipe = Float8BlockScaling(backward_override=override)
     want = _run_mlp(False, x, rm, probs, w1, w2, recipe)

@@ -159,8 +159,8 @@ def test_opcheck_grouped_mlp(recipe):
     fc2_args, fc1_args = layer_ops.backward_args(layer_ops._grouped_mlp, args, out, torch.randn_like(out[0]))
     _check(OPS.grouped_mlp_backward, _detached(fc2_args), fp8=recipe is not None, layer=True)
     # the fc1 ops (weight, then input gradients) read the first op's flattened fc1 output gradient
-    dh = OPS.grouped_mlp_backward(*fc2_args)[layer_ops.mlp_grad_count(args[-1]):]
-    key = fc2_args[-2]
+    dh = OPS.grouped_mlp_backward(*fc2_args)[layer_ops.mlp_grad_count(args[8]):]
+    key = fc2_args[7]
     assert sorted(fc1_args) == ["dgrad", "wgrad"]
     for part, rest in fc1_args.items():
         _check(OPS.grouped_mlp_backward_fc1, _detached((layer_ops.fc1_dh(dh, key, part),) + rest),

@@ -308,3 +308,33 @@ def test_gpu_routed_tokens_keep_the_tokens_graph_and_bits():
         want = step(layers[1])
         for u, v in zip(static, want):
             assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_compiled_layer_keeps_its_input_cpu(kind):
+    """Under torch.compile the layer op saves x itself (an op input, by
+    reference) instead of its transposed FP8 copy; same bits as eager."""
+    from test_moe_routed_compile import _x1_entries
+    torch.manual_seed(1)
+    if kind == "mlp":
+        layer = _mlp(True)
+    else:
+        layer = lpmoe.GroupedLinear(G, H, FFN, params_dtype=torch.bfloat16, device="cpu", save_original_input=True)
+    x = torch.randn(96, H, dtype=torch.bfloat16)
+    splits = torch.tensor([32, 0, 64])
+    gy = torch.randn(96, H if kind == "mlp" else FFN, dtype=torch.bfloat16)
+
+    def step(fn):
+        xi = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        with lpmoe.autocast(recipe=Float8BlockScaling()):
+            y = fn(xi, splits)
+        y.backward(gy)
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()]
+    want = step(layer)
+    torch._dynamo.reset()
+    got = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    for i, (u, v) in enumerate(zip(got, want)):
+        assert torch.equal(u, v), i
+    entries = _x1_entries('"keep": true')  # (object 0: x in both ops' saved objects)
+    assert entries and all(e == ("t", ("in", "x")) for e in entries)

@@ -13,6 +13,7 @@ from lpmoe._ext import ext
 from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles
 from lpmoe.grouped_layout import capacity_sizes, cdiv
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
+from lpmoe.library.routing import OPS, tracing
 from lpmoe.quantizers import Float8BlockQuantizer
 from lpmoe.reference.fp8_block import Fp8BlockQuantized, block_scale_shape
 
@@ -118,8 +119,52 @@ def check_gather_input(tokens: torch.Tensor) -> None:
     if tokens.dtype not in GATHER_DTYPES:
         raise TypeError(f"tokens must be bfloat16 or float16 to be quantized as they are gathered, got "
                         f"{tokens.dtype}")
-    if not tokens.is_contiguous() or tokens.data_ptr() % 16:
-        raise ValueError("tokens must be contiguous and 16-byte aligned to be quantized as they are gathered")
+    if not tokens.is_contiguous():
+        raise ValueError("tokens must be contiguous to be quantized as they are gathered")
+
+
+def gather_layout(tokens: torch.Tensor, rows, first_dims: torch.Tensor) -> GroupedTensor:
+    """The members and offsets of ``rows`` grouped rows of ``tokens``' width
+    (``first_dims`` rows per member), without data of their own: a
+    zero-stride placeholder stands in for the (rows, K) input they describe."""
+    k = tokens.shape[1]
+    return GroupedTensor(num_tensors=first_dims.numel(), logical_shape=(rows, k), dtype=tokens.dtype,
+                         rowwise_data=tokens.new_empty(1).expand(rows * k), first_dims=first_dims)
+
+
+def produced(q: Float8BlockQuantizer):
+    """The buffers a quantization with ``q`` writes, in the order the gathering entry points return them."""
+    return (["rowwise_data", "scale_inv"] if q.rowwise else []) + \
+        (["columnwise_data", "columnwise_scale_inv"] if q.columnwise else [])
+
+
+def gather_buffers(tokens: torch.Tensor, rows, num_tensors: int, q: Float8BlockQuantizer):
+    """Uninitialised buffers of a gathered quantization (rowwise data and
+    scales, then columnwise, as ``q`` asks), sized as :func:`allocate`
+    sizes them for any split of ``rows`` rows."""
+    sizes = capacity_sizes(q, num_tensors, rows, tokens.shape[1], uniform=False)
+    mk = lambda n, dt: torch.empty(n, dtype=dt, device=tokens.device)  # noqa: E731
+    out = [mk(sizes["rowwise_data"], q.fp8_dtype), mk(sizes["scale_inv"], torch.float32)] if q.rowwise else []
+    if q.columnwise:
+        out += [mk(sizes["columnwise_data"], q.fp8_dtype), mk(sizes["columnwise_scale_inv"], torch.float32)]
+    return out
+
+
+def gather_quantize_impl(tokens: torch.Tensor, row_source: torch.Tensor, padded_row_offsets: torch.Tensor,
+                         num_tensors: int, q: Float8BlockQuantizer):
+    """The kernel launch of :func:`gather_quantize`: its buffers, in
+    :func:`gather_buffers` order."""
+    if tokens.data_ptr() % 16:  # (the kernels read 16-byte vectors; a copy of T rows beats making the k*T rows)
+        tokens = tokens.clone()
+    check_gather_input(tokens)
+    rows = row_source.shape[0]
+    bufs = gather_buffers(tokens, rows, num_tensors, q)
+    named = dict(zip(produced(q), bufs))
+    ext().fp8_block_quantize(
+        tokens, padded_row_offsets, num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim, q.pow2_scales,
+        q.amax_epsilon, named.get("rowwise_data"), named.get("scale_inv"), named.get("columnwise_data"),
+        named.get("columnwise_scale_inv"), True, None, None, cdiv(rows, 128) + num_tensors, row_source)
+    return bufs
 
 
 def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: torch.Tensor,
@@ -127,16 +172,22 @@ def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: 
     """group_quantize of the grouped rows ``tokens[row_source[r]]`` (a zero
     row where row_source[r] is -1), members ``first_dims``, read straight
     from ``tokens`` (the kernels' QuantizeArgs::row_source): the rows are
-    never made.  Tokens as :func:`check_gather_input` requires."""
+    never made.  Tokens bf16/fp16, contiguous, K % 16 == 0 (checked before
+    any launch; misaligned tokens are copied first).  Traced calls go
+    through ``lpmoe::gather_quantize``."""
     check_gather_input(tokens)
-    rows, k = row_source.shape[0], tokens.shape[1]
-    # The group's layout (members, offsets) without data of its own: a
-    # zero-stride placeholder stands in for the (rows, k) input it describes.
-    layout = GroupedTensor(num_tensors=first_dims.numel(), logical_shape=(rows, k), dtype=tokens.dtype,
-                           rowwise_data=tokens.new_empty(1).expand(rows * k), first_dims=first_dims)
-    out = allocate(q, layout)
-    _launch_grouped(tokens, layout, q, out, tiles=max_row_tiles(layout), row_source=row_source)
-    return out
+    layout = gather_layout(tokens, row_source.shape[0], first_dims)
+    n = layout.num_tensors
+    if tracing():
+        bufs = OPS["gather_quantize"](tokens, row_source, layout, q)
+    else:
+        bufs = gather_quantize_impl(tokens, row_source, layout.padded_row_offsets, n, q)
+    named = dict.fromkeys(_BUFS)
+    named.update(zip(produced(q), bufs))
+    return GroupedTensor._rebuild(
+        (n, layout.logical_shape, layout.dtype, q, False),
+        dict(named, first_dims=layout.first_dims, tensor_offsets=layout.tensor_offsets,
+             padded_row_offsets=layout.padded_row_offsets, offsets_status=layout.offsets_status))
 
 
 def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype) -> GroupedTensor:

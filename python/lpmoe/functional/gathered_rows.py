@@ -48,6 +48,12 @@ class GatheredRows:
         """Whether :meth:`quantize` takes this quantizer for these tokens."""
         raise NotImplementedError
 
+    def gathers_tokens(self) -> bool:
+        """Whether a recipe that gathers (FP8 block scaling) reads these
+        tokens through the map, from what a trace knows of them (device,
+        dtype): what traced code asks instead of :meth:`can_quantize`."""
+        raise NotImplementedError
+
     def quantize(self, quantizer):
         """The grouped rows quantized (a GroupedTensor with members
         ``m_splits``), bit-identical to quantizing :meth:`rows`, without

@@ -194,8 +194,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
             in place before the backward is then an error (autograd's
             version check), as in TE.  A non-contiguous input (which is
             copied here) keeps the FP8 copy; so do the other recipes and
-            backward_override modes (they keep what they keep already) and
-            compiled calls.
+            backward_override modes (they keep what they keep already).
     Returns (..., out_features) in the input's dtype.
 
     Errors are raised before any GPU work.  Quantized inputs (GroupedTensor,
@@ -217,21 +216,21 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
             raise TypeError(f"{name} must be a bool, got {v!r}")
     grad_enabled = torch.is_grad_enabled()
     need = needs_of(inp, weights, biases, grad_enabled)
+    keep = save_original_input and inp.is_contiguous()  # (else the copy made here would be kept)
     if tracing():
         check_recipe(recipe, inp.dtype, n, k, splits_for_checks(m_splits, g, x2d.shape[0], inp.device), inp.is_cuda,
                      inp.device)
         if fuse_wgrad_accumulation and grad_enabled:
             check_main_grads(weights)
         out = OPS["grouped_linear"](x2d.contiguous(), m_splits, weights, biases, recipe, weight_cache,
-                                    is_first_microbatch, fuse_wgrad_accumulation, need)
+                                    is_first_microbatch, fuse_wgrad_accumulation, need, keep)
         return out.view(*inp.shape[:-1], n)
     splits = parse_splits(m_splits, g, x2d.shape[0], inp.device)
     check_recipe(recipe, inp.dtype, n, k, splits, inp.is_cuda, inp.device)
     if fuse_wgrad_accumulation and grad_enabled:
         check_main_grads(weights)
     cfg = LinearConfig(policy_for(recipe), g, biases is not None, weight_cache, is_first_microbatch, grad_enabled,
-                       need, fuse_wgrad_accumulation, is_stacked(weights),
-                       save_original_input and inp.is_contiguous())  # (else the copy made here would be kept)
+                       need, fuse_wgrad_accumulation, is_stacked(weights), keep)
     params = as_inputs(weights) + as_inputs(biases)
     out = _GroupedLinear.apply(x2d.contiguous(), splits, cfg, *params)
     return out.view(*inp.shape[:-1], n)

@@ -32,8 +32,8 @@ from lpmoe.activation import kernels
 from lpmoe.activation.spec import Activation, parse_activation
 from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
-from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
-from lpmoe.functional.mlp_args import LayerParams, check_fc2, check_layer, check_probs
+from lpmoe.functional.checks import check_params, check_recipe
+from lpmoe.functional.mlp_args import LayerParams, check_fc2, check_layer, check_options, check_probs
 from lpmoe.functional.linear import needs_of
 from lpmoe.functional.linear_steps import (backward_steps, bias_step, dgrad_step, fused_wgrad_results, linear_forward,
                                            main_grads_of, wgrad_step)
@@ -353,28 +353,12 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
     check_recipe(recipe, inp.dtype, hidden, ffn, splits, inp.is_cuda, inp.device)
     if inp.is_cuda and inp.dtype != torch.float32 and ffn % 16:
         raise ValueError(f"the activation kernels need ffn to be a multiple of 16, got {ffn}")
-    if fc2.save_original_input:
-        raise ValueError("fc2.save_original_input: fc2's input is made inside the MLP (the fused activation's "
-                         "output), so only fc1 can keep its input")
-    if is_first_microbatch not in (None, True, False):
-        raise TypeError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
-    if is_first_microbatch is not None and (fc1.weight_cache is None or fc2.weight_cache is None):
-        raise ValueError("is_first_microbatch needs both layers' weight caches to keep the quantized weights in")
-    if torch.is_grad_enabled():
-        for lp in (fc1, fc2):
-            if lp.fuse_wgrad_accumulation:
-                check_main_grads(lp.weights)
+    check_options(fc1, fc2, is_first_microbatch)
     grad_enabled = torch.is_grad_enabled()
     needs = mlp_needs(inp, p, fc1, fc2, grad_enabled)
-    if source is not None:
-        # (traced: the layer op reads rows; no policy objects are made there)
-        q = None if tracing() else policy_for(recipe).input_quantizer(needs[0])
-        if q is None or not source.can_quantize(q):
-            x2d, source = source.rows(), None  # this recipe (or the traced call) reads the rows themselves
-    if tracing():  # (the op counts its own runs: lpmoe.library.layer_ops.CALLS)
-        out = OPS["grouped_mlp"](x2d.contiguous(), p, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs)
-        return _result(out, routed, False, inp, hidden)
-    policy = policy_for(recipe)
+    policy, traced = policy_for(recipe), tracing()
+    if source is not None and not _gathers(source, policy, needs[0], traced):
+        x2d, source = source.rows(), None  # this recipe reads the rows themselves
     # fc1 keeps its input itself only where the caller holds it anyway: a
     # contiguous tensor input, or routed tokens read as they are gathered
     # (rows made here for a recipe that does not gather, or a copy of a
@@ -383,6 +367,10 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
         keep1 = source is not None and (fc1.save_original_input or routed.save_original)
     else:
         keep1 = fc1.save_original_input and inp.is_contiguous()
+    if traced:  # (the op counts its own runs: lpmoe.library.layer_ops.CALLS)
+        out = OPS["grouped_mlp"](x2d.contiguous(), p, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs,
+                                 source, keep1)
+        return _result(out, routed, source is not None, inp, hidden)
     l1 = _Layer(policy, g, fc1.biases is not None, fc1.weight_cache, fc1.fuse_wgrad_accumulation,
                 (g, w, hidden), is_stacked(fc1.weights), keep1)
     l2 = _Layer(policy, g, fc2.biases is not None, fc2.weight_cache, fc2.fuse_wgrad_accumulation,
@@ -393,6 +381,14 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
                                   + as_inputs(fc2.biases))
     out = _GroupedMLP.apply(x2d.contiguous(), p, splits, cfg, source, *params)
     return _result(out, routed, source is not None, inp, hidden)
+
+
+def _gathers(source: GatheredRows, policy: LinearPolicy, need1: Needs, traced: bool) -> bool:
+    """Whether fc1 reads ``source``'s tokens through the map (else the rows are made first)."""
+    if traced:  # (traced code makes no quantizer: its construction is not traceable)
+        return policy.gathers_input(need1) and source.gathers_tokens()
+    q = policy.input_quantizer(need1)
+    return q is not None and source.can_quantize(q)
 
 
 def _result(out: torch.Tensor, routed: Optional[GatheredRows], fused: bool, inp: torch.Tensor, hidden: int):

@@ -8,11 +8,11 @@ from typing import Optional
 
 import torch
 
-from lpmoe.functional.checks import check_params
+from lpmoe.functional.checks import check_main_grads, check_params
 from lpmoe.functional.params import Params
 from lpmoe.functional.weights import WeightCache
 
-__all__ = ["LayerParams", "check_probs", "check_layer", "check_fc2"]
+__all__ = ["LayerParams", "check_probs", "check_layer", "check_fc2", "check_options"]
 
 
 @dataclass
@@ -66,3 +66,18 @@ def check_fc2(inp, fc2: LayerParams, g: int, hidden: int, ffn: int) -> None:
             raise ValueError(f"fc2.weights must be (hidden={hidden}, ffn={ffn}) per expert, got "
                              f"{tuple(ws[0].shape) if isinstance(ws[0], torch.Tensor) else type(ws[0]).__name__}")
     check_params(inp.new_empty((0, ffn)), ws, fc2.biases)
+
+
+def check_options(fc1: LayerParams, fc2: LayerParams, is_first_microbatch) -> None:
+    """The layers' options against each other and the call's."""
+    if fc2.save_original_input:
+        raise ValueError("fc2.save_original_input: fc2's input is made inside the MLP (the fused activation's "
+                         "output), so only fc1 can keep its input")
+    if is_first_microbatch not in (None, True, False):
+        raise TypeError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
+    if is_first_microbatch is not None and (fc1.weight_cache is None or fc2.weight_cache is None):
+        raise ValueError("is_first_microbatch needs both layers' weight caches to keep the quantized weights in")
+    if torch.is_grad_enabled():
+        for lp in (fc1, fc2):
+            if lp.fuse_wgrad_accumulation:
+                check_main_grads(lp.weights)

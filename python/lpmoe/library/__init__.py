@@ -10,6 +10,8 @@ shapes; CPU tensors run the bit-exact reference through the same ops):
 * ``grouped_gemm``, ``grouped_gemm_out`` (``out=``, ``accumulate``)
 * ``activation_forward``, ``activation_backward``
 * ``permute_scatter``, ``permute_gather``           MoE token permutation
+* ``permute_row_sources``, ``gather_quantize``     the inverse map, and FP8 block
+                                                   rows quantized as they are gathered
 * ``router_topk``, ``router_backward``             fused router scores / top-k and their gradient
 * ``routing_map``                                  slot -> grouped row (MoE routing)
 
@@ -35,5 +37,5 @@ OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group
             "dequantize", "grouped_gemm",
             "grouped_gemm_out", "activation_forward", "activation_backward", "grouped_linear",
             "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "grouped_mlp_backward_fc1",
-            "permute_scatter", "permute_gather",
+            "permute_scatter", "permute_gather", "permute_row_sources", "gather_quantize",
             "router_topk", "router_backward", "routing_map")

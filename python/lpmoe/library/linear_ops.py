@@ -29,7 +29,7 @@ def _linear_config(c: dict, fake: bool) -> lin.LinearConfig:
     cache = None if fake or c["first"] is None or c["cache"] < 0 else cache_by_key(c["cache"])
     first = None if cache is None else c["first"]
     return lin.LinearConfig(policy_for(specs.decode(c["recipe"])), c["num"], c["bias"], cache, first, c["grad"],
-                            needs_of_list(c["need"]), False, c["stacked"])
+                            needs_of_list(c["need"]), False, c["stacked"], c["keep"])
 
 
 def _linear_inputs(x, m_splits, weights, biases) -> Dict[str, Tensor]:
@@ -131,8 +131,9 @@ fused_mg.register_side_effects(_grouped_linear_backward)
 
 
 def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch, need: Needs,
-                   fuse_wgrad_accumulation: bool = False) -> tuple:
-    """Arguments of ``lpmoe::grouped_linear`` for one call."""
+                   fuse_wgrad_accumulation: bool = False, keep: bool = False) -> tuple:
+    """Arguments of ``lpmoe::grouped_linear`` for one call (``keep``: the
+    layer keeps x for its weight gradient, save_original_input)."""
     tensor = isinstance(m_splits, torch.Tensor)
     g, n, k = shape_of(weights)
     config = specs.json_constant({
@@ -140,16 +141,16 @@ def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_firs
         "stacked": is_stacked(weights), "cache": cache_key(weight_cache, is_first_microbatch),
         "first": is_first_microbatch, "grad": torch.is_grad_enabled(), "need": [need.dgrad, need.wgrad, need.dbias],
         "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype),
-        "fuse": fused_mg.config_entry(weights, fuse_wgrad_accumulation, need.wgrad)})
+        "fuse": fused_mg.config_entry(weights, fuse_wgrad_accumulation, need.wgrad), "keep": bool(keep)})
     return (x2d, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits], as_inputs(weights),
             as_inputs(biases), config)
 
 
 def grouped_linear(x2d, m_splits, weights, biases, recipe, weight_cache, is_first_microbatch,
-                   fuse_wgrad_accumulation: bool, need: Needs) -> Tensor:
+                   fuse_wgrad_accumulation: bool, need: Needs, keep: bool = False) -> Tensor:
     """lpmoe.functional.grouped_linear while tracing (arguments validated)."""
     out, _ = _grouped_linear(*linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache,
-                                             is_first_microbatch, need, fuse_wgrad_accumulation))
+                                             is_first_microbatch, need, fuse_wgrad_accumulation, keep))
     return out
 
 

@@ -48,8 +48,9 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "stage_slots", "LAYOUTS", "CA
 #: weights, fuse_wgrad_accumulation under compile; 5: the MLP backward runs
 #: as two ops, fc2 + activation, then fc1; 6: a saved FP8 weight keeps its
 #: rowwise scales beside the transposed copy, and token-row groups of
-#: another width carry derived element offsets instead of views).
-FORMAT = 6
+#: another width carry derived element offsets instead of views; 7: the MLP
+#: op saves the map of routed tokens, and fc1 may keep its input).
+FORMAT = 7
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}

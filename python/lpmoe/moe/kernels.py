@@ -108,14 +108,17 @@ def gather_impl(src, row_map, scale):
 def row_sources(row_map: torch.Tensor, num_rows: int) -> torch.Tensor:
     """(num_rows,) int32: the token whose slot row_map sends to each row, -1
     for rows no slot names (the inverse map; ``row_map`` must not repeat a
-    row).  Eager only (see permute_quantize)."""
-    if tracing():
-        raise RuntimeError("kernels.row_sources runs eagerly only (lpmoe.moe.permute_quantize falls back to "
-                           "permute_rows + group_quantize while tracing)")
+    row)."""
     row_map = ready(row_map)
     _check_map(row_map, row_map.shape[0], None, row_map.device)
-    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+    if isinstance(num_rows, bool) or not isinstance(num_rows, (int, torch.SymInt)) or num_rows < 0:
         raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
+    if tracing():
+        return OPS["permute_row_sources"](row_map, num_rows)
+    return row_sources_impl(row_map, num_rows)
+
+
+def row_sources_impl(row_map, num_rows):
     if row_map.device.type != "cuda":
         CALLS["reference_row_sources"] += 1
         return ref.row_sources(row_map, num_rows)

@@ -9,7 +9,6 @@ import torch
 
 from lpmoe.activation.spec import Activation
 from lpmoe.autocast import get_autocast_recipe
-from lpmoe.library.routing import tracing
 from lpmoe.module.grouped_mlp import GroupedMLP
 from lpmoe.moe.dispatch import CapacityAllToAll, HostSplitAllToAll, LocalDispatch
 from lpmoe.moe.expert_numbering import register_global_expert_numbering
@@ -185,14 +184,14 @@ class MoELayer(torch.nn.Module):
         return attach_aux_loss(out, routed.aux_loss, self.aux_loss_scale).view(x.shape)
 
     def _experts_gather(self) -> bool:
-        """Hand the experts RoutedTokens: they are lpmoe's GroupedMLP, the
-        call is eager and the active recipe quantizes their input as it
-        gathers it (FP8 block scaling).  Otherwise the plain call with
+        """Hand the experts RoutedTokens: they are lpmoe's GroupedMLP and
+        the active recipe quantizes their input as it gathers it (FP8 block
+        scaling; eager or compiled alike).  Otherwise the plain call with
         permuted rows, so other recipes, replaced expert modules and hooks
         see what they always saw."""
-        if tracing() or not isinstance(self.experts, GroupedMLP):
+        if not isinstance(self.experts, GroupedMLP):
             return False
-        return policy_for(get_autocast_recipe()).input_quantizer(Needs(dgrad=True, wgrad=True, dbias=False)) is not None
+        return policy_for(get_autocast_recipe()).gathers_input(Needs(dgrad=True, wgrad=True, dbias=False))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, ep_size={self.ep_size}, "

@@ -15,11 +15,14 @@ permutation is a copy).
 :class:`RoutedTokens` is the expert MLP's view of it
 (lpmoe.functional.gathered_rows.GatheredRows): ``GroupedMLP(RoutedTokens(x,
 rmap))`` quantizes fc1's input this way when the recipe quantizes it
-(FP8 block scaling) and the call is eager; otherwise (bf16, emulated
-recipes, a high-precision backward, fp32 or misaligned tokens,
-torch.compile) it permutes the rows first, exactly as before.  The backward
-sums the rows' gradient back to the tokens (the permutation's backward
-kernel).  ``CALLS`` counts which path ran.
+(FP8 block scaling), eager or compiled (the MLP op then takes the tokens
+and the map: lpmoe.library.mlp_route); otherwise (bf16, emulated recipes,
+a high-precision backward, fp32 tokens on the GPU) it permutes the rows
+first, exactly as before.  Tokens not 16-byte aligned are copied first
+(the kernels read 16-byte vectors; the copy is T rows, the rows k*T).  The
+backward sums the rows' gradient back to the tokens (the permutation's
+backward kernel).  ``CALLS`` counts which path ran (real runs only, not
+traces).
 """
 from __future__ import annotations
 
@@ -58,8 +61,9 @@ def permute_quantize(x: torch.Tensor, rmap: RoutingMap, quantizer: Float8BlockQu
     of ``rmap.num_rows`` rows in ``rmap.num_experts`` members.  x (T, H)
     bf16/fp16 on the GPU (any float dtype on CPU,
     through the reference); packed routing map; FP8 block quantizer.  No
-    autograd; graph-safe (nothing read on the host).  While tracing
-    (torch.compile) it runs as the two ops it replaces."""
+    autograd; graph-safe (nothing read on the host).  Traced calls
+    (torch.compile) go through the ops ``lpmoe::permute_row_sources`` and
+    ``lpmoe::gather_quantize``."""
     x = ready(x)
     _check(x, rmap)
     if not isinstance(quantizer, Float8BlockQuantizer):
@@ -70,20 +74,23 @@ def permute_quantize(x: torch.Tensor, rmap: RoutingMap, quantizer: Float8BlockQu
 
 def _permute_quantize(x, rmap, quantizer, source=None):
     """permute_quantize on checked arguments; ``source``: the map's row
-    sources if already computed (the GPU path returns them for reuse)."""
-    if x.device.type != "cuda" or tracing():
+    sources if already computed (the GPU path returns them for reuse).
+    Traced calls go through the ops (lpmoe::permute_row_sources,
+    lpmoe::gather_quantize)."""
+    if x.device.type != "cuda":
         if not tracing():
             CALLS["reference_permute_quantize"] += 1
         rows = permute_rows(x, rmap)
         return group_quantize(rows, quantizer, num_tensors=rmap.num_experts, first_dims=rmap.m_splits), None
     check_gather_input(x)  # before any launch
-    CALLS["kernel_permute_quantize"] += 1
+    if not tracing():
+        CALLS["kernel_permute_quantize"] += 1
     if source is None:
         source = kernels.row_sources(rmap.row_map, rmap.num_rows)
     return gather_quantize(x, source, rmap.m_splits, quantizer), source
 
 
-class _RoutingOnly:
+class RoutingOnly:
     """The part of RoutedTokens a backward keeps: the map (and its row
     sources, once computed), not the tokens."""
 
@@ -138,10 +145,11 @@ class RoutedTokens(GatheredRows):
         return permute_rows(self.tokens, self.rmap)
 
     def can_quantize(self, quantizer) -> bool:
-        if not isinstance(quantizer, Float8BlockQuantizer) or tracing():
-            return False
+        return isinstance(quantizer, Float8BlockQuantizer) and self.gathers_tokens()
+
+    def gathers_tokens(self) -> bool:
         t = self.tokens
-        return t.device.type != "cuda" or (t.dtype in GATHER_DTYPES and t.data_ptr() % 16 == 0)
+        return t.device.type != "cuda" or t.dtype in GATHER_DTYPES
 
     def quantize(self, quantizer):
         out, self._row_source = _permute_quantize(self.tokens.detach(), self.rmap, quantizer,
@@ -154,5 +162,5 @@ class RoutedTokens(GatheredRows):
     def sum_rows(self, y_rows: torch.Tensor) -> torch.Tensor:
         return unpermute(y_rows, self.rmap)
 
-    def for_backward(self) -> _RoutingOnly:
-        return _RoutingOnly(self.rmap, self._row_source)
+    def for_backward(self) -> RoutingOnly:
+        return RoutingOnly(self.rmap, self._row_source)

@@ -136,6 +136,12 @@ class LinearPolicy:
         caller then materialises them)."""
         return None
 
+    def gathers_input(self, need: Needs) -> bool:
+        """Whether :meth:`input_quantizer` gives a quantizer, answered without
+        making one (traced code asks this: a quantizer's construction is
+        not traceable)."""
+        return False
+
     def takes_gathered_grad(self, need: Needs) -> bool:
         """Whether :meth:`grad` takes the output gradient as rows to gather
         (a lpmoe.functional.gathered_rows.GatheredRows) instead of a tensor."""

@@ -37,6 +37,9 @@ class _Fp8Forward(LinearPolicy):
     def input_quantizer(self, need: Needs) -> Optional[Float8BlockQuantizer]:
         return self.quantizer("input", True, need.wgrad)
 
+    def gathers_input(self, need: Needs) -> bool:
+        return True
+
     def _quantized_w(self, weights, columnwise: bool):
         return weights.quantized(self.quantizer("weight", True, columnwise))
 
@@ -134,6 +137,9 @@ class Fp8BlockHighPrecisionBackward(_Fp8Forward):
 
     def input_quantizer(self, need: Needs) -> None:
         return None  # the backward keeps the high-precision rows
+
+    def gathers_input(self, need: Needs) -> bool:
+        return False
 
     def activation_output(self, need: Needs):
         return need.wgrad, self.quantizer("input", True, False)

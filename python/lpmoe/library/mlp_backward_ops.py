@@ -1,0 +1,200 @@
+"""The backward ops of ``lpmoe::grouped_mlp`` (lpmoe.library.mlp_ops
+sequences them):
+
+* ``lpmoe::grouped_mlp_backward``: the whole backward (``whole``, small
+  layers), or fc2's backward and the activation's, returning fc1's output
+  gradient flattened for the fc1 ops;
+* ``lpmoe::grouped_mlp_backward_fc1``: fc1's weight (and bias) gradients,
+  or its input gradient (``part``).
+
+``rows`` is the grouped row count (the token count of an op without
+routing).  With routing (lpmoe.library.mlp_route) the output gradient is
+the tokens' gradient when the forward summed to tokens (fc2's operands are
+then quantized from it through the map), and the input gradient goes back
+to the tokens; the map and its inverse come from the saved ROUTE objects.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+
+from lpmoe.functional import mlp
+from lpmoe.grouped_tensor import sharing_offsets
+from lpmoe.library import fused_main_grads as fused_mg
+from lpmoe.library import mlp_route, saved_layout, specs
+from lpmoe.library.grouped_codec import symbolic_sizes
+from lpmoe.library.layer_common import CALLS, needs_of_list, op_splits
+from lpmoe.library.mlp_config import SAVED, mlp_config, wgrad_out
+
+__all__ = ["STAGE_FC2", "SAVED_FOR", "fc1_dh", "mlp_grad_count", "grouped_mlp_backward", "grouped_mlp_backward_fc1",
+           "fc2_run", "fc1_run"]
+
+Tensor = torch.Tensor
+
+# The three-op backward (lpmoe.library.mlp_ops; one op holding everything
+# peaked 0.75-1 GiB above eager at DeepSeek-V3 shapes, 8 x 64k tokens): the
+# first op returns fc1's output gradient flattened under the key + "|dh" as
+# four objects, so each fc1 op receives only its direction.  Every stage
+# also reads the routing (none without it).
+_ROUTE = tuple(SAVED.index(n) for n in mlp_route.ROUTE)
+#: saved objects (indices into SAVED) each stage reads
+STAGE_FC2 = tuple(SAVED.index(n) for n in mlp.STAGE_FC2) + _ROUTE
+SAVED_FOR = {"wgrad": (SAVED.index("x1"),) + _ROUTE, "dgrad": (SAVED.index("w1"),) + _ROUTE}
+_DH_FOR = {"wgrad": (0, 2, 3), "dgrad": (1, 2)}  # of (wgrad operand, dgrad operand, hp, fused dbias)
+
+
+def _route_of(objs: dict, m_splits, rows):
+    """The routing's backward view, popped from the rebuilt objects."""
+    return mlp_route.backward_source([objs.pop(n) for n in mlp_route.ROUTE], m_splits, rows)
+
+
+def _grad_in(grad: Tensor, back, c: dict):
+    """fc2's output gradient: the tokens' gradient read through the map when
+    the forward summed the rows to the tokens, else the rows' gradient."""
+    return back.with_tokens(grad) if back is not None and c["routed"]["sum"] else grad
+
+
+def _x1_in(x1, back):
+    """fc1's kept input: routed tokens (the forward kept them, not a copy) again around the map."""
+    return back.with_tokens(x1) if back is not None and isinstance(x1, Tensor) else x1
+
+
+def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake):
+    """The whole backward in one op (small layers): [dx] [dprobs] [w1 grads]
+    [b1 grads] [w2 grads] [b2 grads]."""
+    dtype = specs.dtype_from_name(c["dtype"])
+    need1, need2, need_probs = cfg.needs
+    wgrad1, wgrad2 = wgrad_out(c, need1, "fc1"), wgrad_out(c, need2, "fc2")
+    g = c["num"]
+    objs = dict(zip(SAVED, saved_layout.rebuild(key, saved, 0, rows, range(len(SAVED)))))
+    del saved
+    back = _route_of(objs, m_splits, rows)
+    if fake:
+        (_, w, hidden), (_, _, ffn), dev = c["fc1"]["shape"], c["fc2"]["shape"], grad.device
+        tokens = back.rmap.row_map.shape[0] if back is not None else rows
+        out = [torch.empty((tokens, hidden), dtype=dtype, device=dev)] if need1.dgrad else []
+        out += [torch.empty((rows,), dtype=specs.dtype_from_name(c["probs_dtype"]), device=dev)] if need_probs else []
+        for need, wgrad, (n, k) in ((need1, wgrad1, (w, hidden)), (need2, wgrad2, (hidden, ffn))):
+            out += [torch.empty((g, n, k), dtype=dtype, device=dev)] if wgrad else []
+            out += [torch.empty((g, n), dtype=dtype, device=dev)] if need.dbias else []
+        return out
+    main_grads = (fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"]),
+                  fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"]))
+    splits = op_splits(m_splits, host, g, rows, grad.device, False)
+    objs["x1"] = _x1_in(objs["x1"], back)
+    grad = _grad_in(grad, back, c)
+    dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype, main_grads)
+    if back is not None and dx is not None:  # the rows' gradient back to the tokens
+        dx = back.rows_to_tokens(dx)
+    out = ([dx] if need1.dgrad else []) + ([dprobs] if need_probs else [])
+    out += ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
+    return out + ([w2g] if wgrad2 else []) + ([b2g] if need2.dbias else [])
+
+
+def fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, whole, rows, fake):
+    """``lpmoe::grouped_mlp_backward``'s implementation (and fake)."""
+    c = specs.parse(config)
+    cfg = mlp_config(c, fake)
+    if not fake:
+        CALLS["grouped_mlp_backward"] += 1
+    if whole:
+        return _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
+    dtype = specs.dtype_from_name(c["dtype"])
+    need1, need2, need_probs = cfg.needs
+    main2 = None if fake else fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"])
+    objs = dict(zip([SAVED[i] for i in STAGE_FC2], saved_layout.rebuild(key, saved, 0, rows, STAGE_FC2)))
+    back = _route_of(objs, m_splits, rows)
+    splits = op_splits(m_splits, host, c["num"], rows, grad.device, fake)
+    with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
+        dh, dprobs, w2g, b2g = mlp.mlp_backward_fc2(_grad_in(grad, back, c), objs.pop, splits, cfg, dtype, main2)
+        del back
+        q = dh.quantized if dh is not None else None
+        dh_objs = (None, None, None, None) if dh is None else (
+            q.direction_view(columnwise=True) if q is not None and need1.wgrad else None,
+            q.direction_view(columnwise=False) if q is not None and need1.dgrad else None, dh.hp, dh.dbias)
+        del dh, q
+        dh_flat = saved_layout.flatten(key + "|dh", dh_objs, {}, fake, rows, foreign=[grad, *saved])
+    out = ([dprobs] if need_probs else []) + ([w2g] if wgrad_out(c, need2, "fc2") else [])
+    return out + ([b2g] if need2.dbias else []) + dh_flat
+
+
+def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fake):
+    """``lpmoe::grouped_mlp_backward_fc1``'s implementation (and fake)."""
+    c = specs.parse(config)
+    dtype = specs.dtype_from_name(c["dtype"])
+    need1 = needs_of_list(c["needs"][0])
+    wgrad1 = wgrad_out(c, need1, "fc1")
+    objs = dict(zip([SAVED[i] for i in SAVED_FOR[part]], saved_layout.rebuild(key, saved, 0, rows, SAVED_FOR[part])))
+    del saved
+    back = _route_of(objs, m_splits, rows)
+    (saved_obj,) = objs.values()
+    del objs
+    if fake:
+        (g, w, hidden), dev = c["fc1"]["shape"], dh_flat[0].device
+        if part == "dgrad":
+            tokens = back.rmap.row_map.shape[0] if back is not None else rows
+            return [torch.empty((tokens, hidden), dtype=dtype, device=dev)]
+        out = [torch.empty((g, w, hidden), dtype=dtype, device=dev)] if wgrad1 else []
+        return out + ([torch.empty((g, w), dtype=dtype, device=dev)] if need1.dbias else [])
+    CALLS["grouped_mlp_backward_fc1"] += 1
+    cfg = mlp_config(c, False)
+    dh_objs = saved_layout.rebuild(key + "|dh", dh_flat, 0, rows, _DH_FOR[part])
+    del dh_flat
+    splits = op_splits(m_splits, host, c["num"], rows, saved_obj.device if isinstance(saved_obj, Tensor) else
+                       (m_splits.device if m_splits is not None else dh_objs[-1].device), False)
+    with sharing_offsets():
+        if part == "dgrad":
+            qrow, hp = dh_objs
+            del dh_objs
+            dx = mlp.mlp_backward_fc1_dgrad(mlp.Dh(qrow, hp, None), saved_obj, splits, cfg)
+            return [back.rows_to_tokens(dx) if back is not None else dx]
+        qcol, hp, dbias = dh_objs
+        del dh_objs
+        main1 = fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"])
+        w1g, b1g = mlp.mlp_backward_fc1_wgrad(mlp.Dh(qcol, hp, dbias), _x1_in(saved_obj, back), splits, cfg, dtype,
+                                              main1)
+    if b1g is not None and b1g is dbias:  # the activation's fused bias gradient, already in dtype: an input
+        b1g = b1g.clone()
+    return ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
+
+
+@torch.library.custom_op("lpmoe::grouped_mlp_backward", mutates_args=())
+def grouped_mlp_backward(grad: Tensor, saved: List[Tensor], m_splits: Optional[Tensor],
+                         host_splits: Optional[List[int]], fused1: List[Tensor], fused2: List[Tensor], config: str,
+                         key: str, whole: bool, rows: int) -> List[Tensor]:
+    return fc2_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole, rows, False)
+
+
+@grouped_mlp_backward.register_fake
+def _(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole, rows):
+    return fc2_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole, rows, True)
+
+
+@torch.library.custom_op("lpmoe::grouped_mlp_backward_fc1", mutates_args=())
+def grouped_mlp_backward_fc1(dh: List[Tensor], saved: List[Tensor], m_splits: Optional[Tensor],
+                             host_splits: Optional[List[int]], fused1: List[Tensor], config: str, key: str,
+                             rows: int, part: str) -> List[Tensor]:
+    return fc1_run(dh, saved, m_splits, host_splits, fused1, config, key, rows, part, False)
+
+
+@grouped_mlp_backward_fc1.register_fake
+def _(dh, saved, m_splits, host_splits, fused1, config, key, rows, part):
+    return fc1_run(dh, saved, m_splits, host_splits, fused1, config, key, rows, part, True)
+
+
+fused_mg.register_side_effects(grouped_mlp_backward, grouped_mlp_backward_fc1)
+
+
+def fc1_dh(dh_flat: List[Tensor], key: str, part: str) -> List[Tensor]:
+    """The first argument of the fc1 op ``part`` from the first op's dh outputs."""
+    return [dh_flat[i] for i in saved_layout.stage_slots(key + "|dh", _DH_FOR[part])]
+
+
+def mlp_grad_count(config: str) -> int:
+    """How many gradients lead the MLP's first backward op's outputs (the
+    flattened fc1 output gradient follows them)."""
+    c = specs.parse(config)
+    need2 = needs_of_list(c["needs"][1])
+    return int(c["needs"][2]) + int(wgrad_out(c, need2, "fc2")) + int(need2.dbias)

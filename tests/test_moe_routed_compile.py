@@ -1,0 +1,184 @@
+"""Routed tokens under torch.compile: the gathering quantize and the inverse
+map as custom ops, the MLP op reading RoutedTokens (fc1's input and, with
+sum_to_tokens, fc2's output gradient gathered through the map; fc1 keeping
+the tokens with save_original_input), compiled == eager bitwise, with
+counters and the saved layout proving which path ran."""
+import pytest
+import torch
+from torch.library import opcheck
+
+import lpmoe
+from conftest import requires_cuda
+from lpmoe.activation.spec import Activation
+from lpmoe.functional import LayerParams
+from lpmoe.functional.mlp import mlp_needs
+from lpmoe.grouped_tensor import GroupedTensor
+from lpmoe import fp8_block_ops
+from lpmoe.library import layer_ops, mlp_ops, saved_layout, specs
+from lpmoe.moe import RoutedTokens, kernels, permute_probs, permute_quantize, routed_tokens, routing_map
+from lpmoe.policy import Needs, policy_for
+from lpmoe.recipe import Float8BlockScaling
+from test_moe_routed_tokens import _assert_same_members, _indices, _mlp_params, _tokens
+from _compile_common import RECIPES
+
+OPS = torch.ops.lpmoe
+FP8_OPCHECK = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+FP8_LAYER = ("test_faketensor", "test_autograd_registration")
+
+
+def _detached(args):
+    import torch.utils._pytree as pytree
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), args)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+def test_policies_say_whether_they_gather_without_making_a_quantizer(recipe):
+    """Traced code asks gathers_input; eager code input_quantizer: they agree."""
+    pol = policy_for(recipe)
+    for need in (Needs(True, True, False), Needs(True, False, False), Needs(False, True, True)):
+        assert pol.gathers_input(need) == (pol.input_quantizer(need) is not None)
+
+
+# ------------------------------------------------------------------ the ops
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_opcheck_row_sources_and_gather_quantize(device):
+    t, k, e, h = 40, 2, 4, 256
+    rm = routing_map(_indices(t, k, e, drop=0.1, seed=3, device=device), e, capacity=12)
+    opcheck(OPS.permute_row_sources, (rm.row_map, rm.num_rows))
+    src = OPS.permute_row_sources(rm.row_map, rm.num_rows)
+    assert torch.equal(src.cpu(), kernels.row_sources(rm.row_map.cpu(), rm.num_rows))
+    q = lpmoe.Float8BlockQuantizer()
+    layout = fp8_block_ops.gather_layout(_tokens(t, h, torch.bfloat16, device), rm.num_rows, rm.m_splits)
+
+    def args(x):
+        return (x, src, layout.first_dims, layout.padded_row_offsets, specs.encode(q))
+    # (opcheck compares outputs with ==: no NaN among these tokens; on the
+    # GPU the buffers' capacity padding past the members is never written,
+    # so the output comparison of test_aot_dispatch_dynamic does not apply)
+    opcheck(OPS.gather_quantize, args(_tokens(t, h, torch.bfloat16, device, edges=False)),
+            test_utils=FP8_OPCHECK if device == "cpu" else FP8_LAYER)
+    # the op's members are permute_quantize's, edge values included
+    x = _tokens(t, h, torch.bfloat16, device)
+    bufs = dict(zip(fp8_block_ops.produced(q), OPS.gather_quantize(*args(x))))
+    got = GroupedTensor._rebuild((layout.num_tensors, layout.logical_shape, layout.dtype, q, False), dict(
+        bufs, first_dims=layout.first_dims, tensor_offsets=layout.tensor_offsets,
+        padded_row_offsets=layout.padded_row_offsets, offsets_status=layout.offsets_status))
+    _assert_same_members(got, permute_quantize(x, rm, q))
+
+
+def _routed_mlp_args(sum_to_tokens, keep, device="cpu", t=24, k=2, e=4, h=128, f=64):
+    x = _tokens(t, h, torch.bfloat16, device, edges=False).requires_grad_()
+    rm = routing_map(_indices(t, k, e, drop=0.1, seed=5, device=device), e)
+    w1, w2 = _mlp_params(e, h, f, torch.bfloat16, device)
+    probs = permute_probs(torch.rand(t, k, device=device), rm).detach().requires_grad_()
+    fc1, fc2 = LayerParams(w1), LayerParams(w2)
+    needs = mlp_needs(x, probs, fc1, fc2, True)
+    src = RoutedTokens(x, rm, sum_to_tokens=sum_to_tokens)
+    return layer_ops.mlp_op_args(x, probs, rm.m_splits, fc1, fc2, Activation("swiglu"), Float8BlockScaling(), None,
+                                 needs, src, keep)
+
+
+@pytest.mark.parametrize("sum_to_tokens,keep", [(False, False), (True, False), (True, True)])
+def test_opcheck_routed_grouped_mlp_cpu(sum_to_tokens, keep):
+    args = _routed_mlp_args(sum_to_tokens, keep)
+    opcheck(OPS.grouped_mlp, args, test_utils=FP8_LAYER)
+    out = OPS.grouped_mlp(*args)
+    t, rows = args[0].shape[0], args[-1]
+    assert out[0].shape == ((t if sum_to_tokens else rows), args[0].shape[1])
+    grad = torch.randn_like(out[0])
+    fc2_args, fc1_args = layer_ops.mlp_backward_args(args, out, grad)
+    opcheck(OPS.grouped_mlp_backward, _detached(fc2_args), test_utils=FP8_LAYER)
+    dh = OPS.grouped_mlp_backward(*fc2_args)[layer_ops.mlp_grad_count(args[8]):]
+    for part, rest in fc1_args.items():
+        fc1 = _detached((layer_ops.fc1_dh(dh, fc2_args[7], part),) + rest)
+        opcheck(OPS.grouped_mlp_backward_fc1, fc1, test_utils=FP8_LAYER)
+        if part == "dgrad":  # the input gradient is the tokens'
+            assert OPS.grouped_mlp_backward_fc1(*fc1)[0].shape == args[0].shape
+    whole = _detached(layer_ops.whole_backward_args(args, out, grad))
+    opcheck(OPS.grouped_mlp_backward, whole, test_utils=FP8_LAYER)
+    assert OPS.grouped_mlp_backward(*whole)[0].shape == args[0].shape
+
+
+# ------------------------------------------------------- the compiled layer
+def _step(layer, x, gy, recipe):
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    with lpmoe.autocast(recipe=recipe):
+        y = layer(x)
+    y.backward(gy)
+    return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+
+def _x1_entries(marker: str, idx=mlp_ops.SAVED_FOR["wgrad"][0]):
+    """What layer ops whose configuration has ``marker`` saved for (fc1's)
+    wgrad (saved object ``idx``), one entry per traced layout: ("t", ("in",
+    "x")) is the op's input x by reference, ("g", ...) a quantized copy."""
+    return [layout[idx] for key, layout in saved_layout.LAYOUTS.items()
+            if marker in key and not key.endswith("|dh") and layout[idx] != ("none",)]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_compiled_fp8_moe_layer_reads_tokens_through_the_map_cpu(keep, split, monkeypatch):
+    """torch.compile(fullgraph) of the FP8 layer hands the MLP op the tokens
+    and the map: the same bits as eager (output, every gradient), the
+    gathering quantize ran inside the op (three times: fc1's input, fc2's
+    output gradient in two directions; four with save_original_input), and
+    with save_original_input the op saved the tokens, not a copy."""
+    monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0 if split else 1 << 60)
+    torch.manual_seed(0)
+    layer = lpmoe.moe.MoELayer(128, 64, num_experts=4, top_k=2, device="cpu", params_dtype=torch.bfloat16,
+                               save_original_input=keep)
+    x = torch.randn(24, 128, dtype=torch.bfloat16)
+    gy = torch.randn(24, 128, dtype=torch.bfloat16)
+    recipe = Float8BlockScaling()
+    want = _step(layer, x, gy, recipe)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    _step(compiled, x, gy, recipe)  # (traces)
+    before, ops_before = dict(routed_tokens.CALLS), dict(layer_ops.CALLS)
+    got = _step(compiled, x, gy, recipe)
+    assert routed_tokens.CALLS["reference_permute_quantize"] - before["reference_permute_quantize"] == 3 + keep
+    assert layer_ops.CALLS["grouped_mlp"] - ops_before["grouped_mlp"] == 1
+    assert layer_ops.CALLS["grouped_mlp_backward_fc1"] - ops_before["grouped_mlp_backward_fc1"] == (2 if split else 0)
+    for i, (u, v) in enumerate(zip(got, want)):
+        assert torch.equal(u, v), i
+    entries = _x1_entries('"routed": {"keep": %s' % ("true" if keep else "false"))
+    assert entries and all(e == ("t", ("in", "x")) if keep else e[0] == "g" for e in entries)
+
+
+# ---------------------------------------------------------------------- GPU
+@requires_cuda
+@pytest.mark.parametrize("keep,split,mode", [(False, False, "default"), (True, True, "default"),
+                                             (False, True, "default"), (True, False, "reduce-overhead")])
+def test_gpu_compiled_fp8_moe_layer_gathers_bit_identical_to_eager(keep, split, mode, monkeypatch):
+    """The compiled FP8 layer on the GPU (Inductor): the gathering kernels
+    ran inside the MLP op, and the output and every gradient equal eager's
+    for steps with new tokens (new routing) on one compiled graph."""
+    import torch._dynamo.testing
+    monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0 if split else 1 << 60)
+    torch.manual_seed(0)
+    layer = lpmoe.moe.MoELayer(256, 128, num_experts=8, top_k=2, device="cuda", params_dtype=torch.bfloat16,
+                               save_original_input=keep)
+    recipe = Float8BlockScaling()
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    if mode == "default":
+        compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    else:
+        compiled = torch.compile(layer, fullgraph=True, mode=mode)
+    gathers = 0
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(300, 256, generator=g).to("cuda", torch.bfloat16)
+        gy = torch.randn(300, 256, generator=g).to("cuda", torch.bfloat16)
+        want = _step(layer, x, gy, recipe)
+        before = routed_tokens.CALLS["kernel_permute_quantize"]
+        got = _step(compiled, x, gy, recipe)
+        gathers += routed_tokens.CALLS["kernel_permute_quantize"] - before
+        for i, (u, v) in enumerate(zip(got, want)):
+            assert torch.equal(u, v), (step, i)
+    if mode == "default":
+        assert counter.frame_count == 1 and gathers == 4 * (3 + keep)
+    else:  # (CUDA graph replays run no Python: only the warm-up and recording steps count)
+        assert gathers >= 3 + keep
