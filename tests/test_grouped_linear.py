@@ -203,20 +203,27 @@ def test_list_and_tensor_splits_agree_bitwise(recipe):
 
 
 
-def test_fp8_path_runs_quantized_gemms(spies):
+@pytest.mark.parametrize("splits", [[480, 0, 544], [60, 0, 68]])
+def test_fp8_path_runs_quantized_gemms(spies, splits):
     layer = make_layer(torch.bfloat16)
     before = dict(CALLS)
-    run(layer, torch.randn(128, K, dtype=torch.bfloat16), [60, 0, 68], torch.randn(128, N, dtype=torch.bfloat16),
+    rows = sum(splits)
+    run(layer, torch.randn(rows, K, dtype=torch.bfloat16), splits, torch.randn(rows, N, dtype=torch.bfloat16),
         recipe=Float8BlockScaling())
     for a, kw in spies["grouped_gemm"].calls:
         assert a[0].is_quantized and a[1].is_quantized, kw["kind"]
     # x (1x128, both copies), W (128x128), then dy one direction at a time, just
-    # before its GEMM: transposed (with the bias gradient) for wgrad, rowwise for dgrad
+    # before its GEMM, the first pass with the bias gradient: wgrad first with
+    # more rows than G*N (1024 > 768), else dgrad first (linear_steps.dgrad_first)
     steps = [(name, kw["kind"]) if name == "grouped_gemm" else (name, a[1].block_dim, a[1].rowwise, a[1].columnwise)
              for name, a, kw in spies["log"]]
-    assert steps == [("group_quantize", 1, True, True), ("group_quantize", 2, True, True), ("grouped_gemm", "fprop"),
-                     ("group_quantize_dbias", 1, False, True), ("grouped_gemm", "wgrad"),
-                     ("group_quantize", 1, True, False), ("grouped_gemm", "dgrad")]
+    fwd = [("group_quantize", 1, True, True), ("group_quantize", 2, True, True), ("grouped_gemm", "fprop")]
+    if rows > G * N:
+        assert steps == fwd + [("group_quantize_dbias", 1, False, True), ("grouped_gemm", "wgrad"),
+                               ("group_quantize", 1, True, False), ("grouped_gemm", "dgrad")]
+    else:
+        assert steps == fwd + [("group_quantize_dbias", 1, True, False), ("grouped_gemm", "dgrad"),
+                               ("group_quantize", 1, False, True), ("grouped_gemm", "wgrad")]
     assert CALLS["reference"] - before["reference"] == 3
 
 

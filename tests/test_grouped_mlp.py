@@ -297,15 +297,16 @@ def test_saved_bytes_per_token(recipe):
     assert (saved(512, False) - saved(256, False)) / 256 == per_token
 
 
-def _drop_order():
+def _drop_order(splits=(40, 0, 56)):
     """(GEMM kind, copies still alive) at each backward GEMM of one FP8 MLP step."""
     import weakref
 
     import lpmoe.functional.linear_steps as steps
     mlp = make_mlp("swiglu")
-    x = torch.randn(96, H, dtype=torch.bfloat16, requires_grad=True)
+    rows = sum(splits)
+    x = torch.randn(rows, H, dtype=torch.bfloat16, requires_grad=True)
     with lpmoe.autocast(recipe=Float8BlockScaling()):
-        y = mlp(x, [40, 0, 56], probs=torch.rand(96, requires_grad=True))
+        y = mlp(x, list(splits), probs=torch.rand(rows, requires_grad=True))
     node = y.grad_fn
     while not hasattr(node, "held"):
         node = node.next_functions[0][0]
@@ -331,28 +332,39 @@ def _drop_order():
     return len(refs) - 1, seen
 
 
-def test_fp8_backward_drops_each_copy_after_its_last_reader():
-    """The FP8 MLP backward runs wgrad before dgrad in each layer and lets
-    every copy the forward made die right after its last reader: fc2's
-    transposed input before fc2's dgrad, fc2's weights and h before fc1's
-    GEMMs, x's and dh's transposed copies before fc1's dgrad (the memory peak of the
-    step, docs/grouped-mlp-notes.md).  Runs in a fresh interpreter: after a
-    torch.compile that failed earlier in the process (test_compile checks
-    one), PyTorch keeps finished frames of the backward alive until the
-    layer's backward returns, which would hide the order under test."""
+@pytest.mark.parametrize("splits", [(400, 0, 624), (40, 0, 56)])
+def test_fp8_backward_drops_each_copy_after_its_last_reader(splits):
+    """The FP8 MLP backward lets every copy the forward made die right after
+    its last reader, in the GEMM order that holds less (docs/grouped-mlp-notes.md,
+    linear_steps.dgrad_first).  More rows than the layers' G*N (1024 > 768,
+    384): wgrad first in each layer, so fc2's transposed input dies before
+    fc2's dgrad, x's and dh's transposed copies before fc1's dgrad (the
+    memory peak of a large step).  Fewer (96): dgrad first, so each
+    layer's transposed weight dies before its weight gradient is made.
+    fc2's weights and h die before fc1's GEMMs either way.  Runs in a fresh
+    interpreter: after a torch.compile that failed earlier in the process
+    (test_compile checks one), PyTorch keeps finished frames of the backward
+    alive until the layer's backward returns, which would hide the order
+    under test."""
     import json
     import subprocess
     import sys
     code = ("import json, sys; sys.path.insert(0, 'tests'); import test_grouped_mlp as t; "
-            "print(json.dumps(t._drop_order()))")
+            f"print(json.dumps(t._drop_order({splits!r})))")
     root = __file__.rsplit("/tests/", 1)[0]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
     count, seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert count == 5   # every copy the forward made is held, none saved
-    assert [tuple(s) for s in seen] == [("wgrad", ["h", "w1", "w2", "x1", "x2"]),   # fc2
-                                        ("dgrad", ["h", "w1", "w2", "x1"]),
-                                        ("wgrad", ["dh_col", "w1", "x1"]),          # fc1
-                                        ("dgrad", ["w1"])]
+    if sum(splits) > G * 2 * FFN:
+        assert [tuple(s) for s in seen] == [("wgrad", ["h", "w1", "w2", "x1", "x2"]),   # fc2
+                                            ("dgrad", ["h", "w1", "w2", "x1"]),
+                                            ("wgrad", ["dh_col", "w1", "x1"]),          # fc1
+                                            ("dgrad", ["w1"])]
+    else:
+        assert [tuple(s) for s in seen] == [("dgrad", ["h", "w1", "w2", "x1", "x2"]),   # fc2
+                                            ("wgrad", ["h", "w1", "x1", "x2"]),
+                                            ("dgrad", ["dh_col", "w1", "x1"]),          # fc1
+                                            ("wgrad", ["dh_col", "x1"])]
 
 
 # ------------------------------------------------------------------- GPU

@@ -6,7 +6,11 @@ block grouped by where it was allocated (innermost lpmoe frames).
 
     PYTHONPATH=python:benchmarks python3 tools/memory_breakdown.py \
         [--experts 8] [--tokens 65536] [--recipe fp8|bf16|all] [--grads fresh|main_grad|all]
-        [--x-in-step] [--compile]
+        [--x-in-step] [--compile] [--moe-layer --topk 8]
+
+--moe-layer measures lpmoe.moe.MoELayer instead (--experts 64 --topk 8
+--tokens 8192 for DeepSeek-V3's layer; the tokens are a leaf the caller
+holds).
 
 --x-in-step makes the MLP's input inside the step (as an MoE layer's token
 permutation does), so a recipe that keeps x for its backward pays for it;
@@ -53,15 +57,39 @@ def replay(trace):
     return peak, at_peak, cause
 
 
-def run(g, tokens, recipe_name, grads, x_in_step, compiled=False):
+def timeline(trace, min_bytes=100 * MB):
+    """Every allocation and free of at least ``min_bytes``, with the running total above the start."""
+    live, cur = {}, 0
+    for ev in trace:
+        act = ev["action"]
+        if act == "alloc":
+            live[ev["addr"]] = (ev["size"], ev.get("frames", []))
+            cur += ev["size"]
+            if ev["size"] >= min_bytes:
+                print(f"  +{ev['size'] / MB:8.1f} -> {cur / MB:8.1f} MB  {where(ev.get('frames', []))}")
+        elif act == "free_requested" and ev["addr"] in live:
+            size, frames = live.pop(ev["addr"])
+            cur -= size
+            if size >= min_bytes:
+                print(f"  -{size / MB:8.1f} -> {cur / MB:8.1f} MB  {where(frames)}")
+
+
+def run(g, tokens, recipe_name, grads, x_in_step, compiled=False, top_k=0, show_timeline=False):
     m = torch.tensor([tokens // g] * g, device="cuda")
     x0 = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     p = torch.rand(tokens, device="cuda", requires_grad=True)
     dy = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     recipe = Float8BlockScaling() if recipe_name == "fp8" else None
     main = grads == "main_grad"
-    mlp = lpmoe.GroupedMLP(g, HIDDEN, FFN, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=main)
-    run_mlp = torch.compile(mlp, fullgraph=True) if compiled else mlp
+    if top_k:  # the MoE layer (its experts are a GroupedMLP)
+        layer = lpmoe.moe.MoELayer(HIDDEN, FFN, g, top_k, params_dtype=torch.bfloat16)
+        mlp = layer.experts
+        run_layer = torch.compile(layer, fullgraph=True) if compiled else layer
+        run_mlp = lambda x, m, probs: run_layer(x)  # noqa: E731  (routing is the layer's)
+    else:
+        mlp = lpmoe.GroupedMLP(g, HIDDEN, FFN, params_dtype=torch.bfloat16, device="cuda",
+                               fuse_wgrad_accumulation=main)
+        run_mlp = torch.compile(mlp, fullgraph=True) if compiled else mlp
     if main:
         for lin in (mlp.linear_fc1, mlp.linear_fc2):
             buf = torch.zeros((g,) + tuple(lin.weight0.shape), device="cuda")
@@ -90,11 +118,13 @@ def run(g, tokens, recipe_name, grads, x_in_step, compiled=False):
     measured = torch.cuda.max_memory_allocated() - base
     trace = snap["device_traces"][torch.cuda.current_device()]
     peak, at_peak, cause = replay(trace)
+    if show_timeline:
+        timeline(trace)
     groups = collections.defaultdict(list)
     for size, frames in at_peak.values():
         groups[where(frames)].append(size)
-    print(f"== {recipe_name} {grads}{' x-in-step' if x_in_step else ''}{' compiled' if compiled else ''}: "
-          f"{g} experts x {tokens} tokens: "
+    print(f"== {recipe_name} {grads}{' x-in-step' if x_in_step else ''}{' compiled' if compiled else ''}"
+          f"{f' MoE layer top-{top_k}' if top_k else ''}: {g} experts x {tokens} tokens: "
           f"peak above start {measured / 2**30:.3f} GiB (allocator), {peak / 2**30:.3f} GiB (trace replay); "
           f"reached by: {where(cause)}")
     for k, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
@@ -113,10 +143,13 @@ def main():
     ap.add_argument("--grads", default="all", choices=("fresh", "main_grad", "all"))
     ap.add_argument("--x-in-step", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--moe-layer", action="store_true")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--timeline", action="store_true", help="also every allocation/free of 100 MB or more")
     a = ap.parse_args()
     for recipe in (("fp8", "bf16") if a.recipe == "all" else (a.recipe,)):
         for grads in (("fresh", "main_grad") if a.grads == "all" else (a.grads,)):
-            run(a.experts, a.tokens, recipe, grads, a.x_in_step, a.compile)
+            run(a.experts, a.tokens, recipe, grads, a.x_in_step, a.compile, a.topk if a.moe_layer else 0, a.timeline)
 
 
 if __name__ == "__main__":
