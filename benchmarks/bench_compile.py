@@ -186,7 +186,7 @@ def routed_case(tokens, hidden, ffn, experts, top_k, iters, rounds):
         print(f"{name:40s} {k:12s} {med[k]:8.3f} ms [{lo:.3f}, {hi:.3f}]  eager/mode {med['eager'] / med[k]:.3f}  "
               f"step peak {peak[k]:.2f} GiB", flush=True)
         rows.append((f"{name} {k}", f"{med[k]:.3f} ms, eager/mode {med['eager'] / med[k]:.3f}, peak {peak[k]:.2f} GiB"))
-    print(f"{name:40s} compile-rows/compile {med['compile-rows'] / med['compile']:.3f}x time, "
+    print(f"{name:40s} compile / compile-rows: {med['compile-rows'] / med['compile']:.3f}x faster, "
           f"peak {peak['compile'] / peak['compile-rows']:.2f}x", flush=True)
     return rows
 

@@ -15,7 +15,7 @@ from lpmoe.functional.mlp import mlp_needs
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe import fp8_block_ops
 from lpmoe.library import layer_ops, mlp_ops, saved_layout, specs
-from lpmoe.moe import RoutedTokens, kernels, permute_probs, permute_quantize, routed_tokens, routing_map
+from lpmoe.moe import RoutedTokens, permute_probs, permute_quantize, routed_tokens, routing_map
 from lpmoe.policy import Needs, policy_for
 from lpmoe.recipe import Float8BlockScaling
 from test_moe_routed_tokens import _assert_same_members, _indices, _mlp_params, _tokens
@@ -45,8 +45,12 @@ def test_opcheck_row_sources_and_gather_quantize(device):
     t, k, e, h = 40, 2, 4, 256
     rm = routing_map(_indices(t, k, e, drop=0.1, seed=3, device=device), e, capacity=12)
     opcheck(OPS.permute_row_sources, (rm.row_map, rm.num_rows))
-    src = OPS.permute_row_sources(rm.row_map, rm.num_rows)
-    assert torch.equal(src.cpu(), kernels.row_sources(rm.row_map.cpu(), rm.num_rows))
+    src = OPS.permute_row_sources(rm.row_map, rm.num_rows).cpu()
+    # the inverse of the map: each routed slot's row names its token, every other row -1
+    want = torch.full((rm.num_rows,), -1, dtype=torch.int32)
+    for tok, slot in (rm.row_map.cpu() >= 0).nonzero().tolist():
+        want[rm.row_map[tok, slot]] = tok
+    assert torch.equal(src, want)
     q = lpmoe.Float8BlockQuantizer()
     layout = fp8_block_ops.gather_layout(_tokens(t, h, torch.bfloat16, device), rm.num_rows, rm.m_splits)
 
@@ -106,45 +110,72 @@ def _step(layer, x, gy, recipe):
     with lpmoe.autocast(recipe=recipe):
         y = layer(x)
     y.backward(gy)
-    return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters() if p.requires_grad]
 
 
-def _x1_entries(marker: str, idx=mlp_ops.SAVED_FOR["wgrad"][0]):
-    """What layer ops whose configuration has ``marker`` saved for (fc1's)
-    wgrad (saved object ``idx``), one entry per traced layout: ("t", ("in",
-    "x")) is the op's input x by reference, ("g", ...) a quantized copy."""
-    return [layout[idx] for key, layout in saved_layout.LAYOUTS.items()
-            if marker in key and not key.endswith("|dh") and layout[idx] != ("none",)]
+def saved_x_entries(monkeypatch, fn):
+    """Runs fn(); returns, for each layer op run that saved tensors during
+    it (traces not counted), what that op saved as (fc1's) input for its wgrad (saved object 0 of
+    both layer ops): ("t", ("in", "x")) is the op's input x by reference,
+    ("g", ...) a quantized copy."""
+    keys, real = [], saved_layout.flatten
+
+    def spy(key, objs, inputs, fake=False, *a, **kw):
+        if not fake:  # (a real call, not a trace's)
+            keys.append(key)
+        return real(key, objs, inputs, fake, *a, **kw)
+    monkeypatch.setattr(saved_layout, "flatten", spy)
+    fn()
+    monkeypatch.setattr(saved_layout, "flatten", real)
+    assert mlp_ops.SAVED_FOR["wgrad"][0] == 0
+    return [saved_layout.LAYOUTS[k][0] for k in keys if not k.endswith("|dh")]
 
 
-@pytest.mark.parametrize("keep", [False, True])
+CASES = {  # MoELayer options, and fc2 reading the rows (its bias gradient needs them)
+    "plain": {}, "keep": {"save_original_input": True}, "capacity": {"capacity_factor": 0.6},
+    "bias": {"bias": True}, "capacity_keep": {"capacity_factor": 0.6, "save_original_input": True},
+    "frozen_fc1_weights": {"bias": True}, "frozen_fc1_keep": {"save_original_input": True}}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("split", [False, True])
-def test_compiled_fp8_moe_layer_reads_tokens_through_the_map_cpu(keep, split, monkeypatch):
+def test_compiled_fp8_moe_layer_reads_tokens_through_the_map_cpu(case, split, monkeypatch):
     """torch.compile(fullgraph) of the FP8 layer hands the MLP op the tokens
-    and the map: the same bits as eager (output, every gradient), the
-    gathering quantize ran inside the op (three times: fc1's input, fc2's
-    output gradient in two directions; four with save_original_input), and
-    with save_original_input the op saved the tokens, not a copy."""
+    and the map: the same bits as eager (output, every gradient) for
+    steps with new tokens, two token counts, the gathering quantize ran
+    inside the op (fc1's input, and fc2's output gradient in two directions
+    unless fc2's bias gradient needs the rows; once more for fc1's wgrad
+    with save_original_input), and with save_original_input the op saved the
+    tokens, not a copy."""
     monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0 if split else 1 << 60)
+    opts = CASES[case]
+    keep = opts.get("save_original_input", False)
     torch.manual_seed(0)
-    layer = lpmoe.moe.MoELayer(128, 64, num_experts=4, top_k=2, device="cpu", params_dtype=torch.bfloat16,
-                               save_original_input=keep)
-    x = torch.randn(24, 128, dtype=torch.bfloat16)
-    gy = torch.randn(24, 128, dtype=torch.bfloat16)
+    layer = lpmoe.moe.MoELayer(128, 64, num_experts=4, top_k=2, device="cpu", params_dtype=torch.bfloat16, **opts)
+    frozen = case.startswith("frozen")
+    if frozen:  # fc1's weights frozen (its bias, if any, still trains): no fc1 wgrad
+        for w in layer.experts.linear_fc1.weights:
+            w.requires_grad_(False)
     recipe = Float8BlockScaling()
-    want = _step(layer, x, gy, recipe)
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    _step(compiled, x, gy, recipe)  # (traces)
-    before, ops_before = dict(routed_tokens.CALLS), dict(layer_ops.CALLS)
-    got = _step(compiled, x, gy, recipe)
-    assert routed_tokens.CALLS["reference_permute_quantize"] - before["reference_permute_quantize"] == 3 + keep
-    assert layer_ops.CALLS["grouped_mlp"] - ops_before["grouped_mlp"] == 1
-    assert layer_ops.CALLS["grouped_mlp_backward_fc1"] - ops_before["grouped_mlp_backward_fc1"] == (2 if split else 0)
-    for i, (u, v) in enumerate(zip(got, want)):
-        assert torch.equal(u, v), i
-    entries = _x1_entries('"routed": {"keep": %s' % ("true" if keep else "false"))
-    assert entries and all(e == ("t", ("in", "x")) if keep else e[0] == "g" for e in entries)
+    for t in (24, 24, 40):
+        g = torch.Generator().manual_seed(t)
+        x, gy = (torch.randn(t, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+        want = _step(layer, x, gy, recipe)
+        before, ops_before = dict(routed_tokens.CALLS), dict(layer_ops.CALLS)
+        got = []
+        entries = saved_x_entries(monkeypatch, lambda: got.extend(_step(compiled, x, gy, recipe)))
+        gathers = 1 + (0 if opts.get("bias") else 2) + (keep and not frozen)
+        assert routed_tokens.CALLS["reference_permute_quantize"] - before["reference_permute_quantize"] == gathers
+        assert layer_ops.CALLS["grouped_mlp"] - ops_before["grouped_mlp"] == 1
+        fc1_ops = (1 if frozen and not opts.get("bias") else 2) if split else 0
+        assert layer_ops.CALLS["grouped_mlp_backward_fc1"] - ops_before["grouped_mlp_backward_fc1"] == fc1_ops
+        for i, (u, v) in enumerate(zip(got, want)):
+            assert torch.equal(u, v), (t, i)
+        assert len(entries) == 1
+        assert entries[0] == (("none",) if frozen else ("t", ("in", "x")) if keep else entries[0])
+        assert keep or frozen or entries[0][0] == "g"
 
 
 # ---------------------------------------------------------------------- GPU

@@ -26,6 +26,12 @@ def max_row_tiles(g: GroupedTensor) -> int:
     n = g.num_tensors
     if g.shape_kind is ShapeKind.SAME_SHAPE:
         return n * cdiv(rows // n, 128)
+    return row_tiles_bound(rows, n)
+
+
+def row_tiles_bound(rows: int, n: int) -> int:
+    """Grid bound for any split of ``rows`` rows into ``n`` members: each
+    member's last tile may be partial, so at most one tile more per member."""
     return cdiv(rows, 128) + n
 
 

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from lpmoe._ext import ext
-from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles
+from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles, row_tiles_bound
 from lpmoe.grouped_layout import capacity_sizes, cdiv
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.library.routing import OPS, tracing
@@ -49,23 +49,32 @@ def check_output(output: GroupedTensor, q: Float8BlockQuantizer, g: GroupedTenso
             raise ValueError(f"output.{name} holds {have} elements, needs {need[name]} for this input")
 
 
-def allocate(q: Float8BlockQuantizer, g: GroupedTensor) -> GroupedTensor:
-    """Uninitialised output buffers for the members of ``g``, carrying g's
-    metadata.  Built without the constructor's checks: the buffers are
-    sized here from the layout (capacity_sizes) and the metadata is g's,
-    which was validated when g was made."""
-    rows, k = g.logical_shape
-    sizes = capacity_sizes(q, g.num_tensors, rows, k, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
-    dev = g.device
-    mk = lambda n, dt: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
+def _buffers(q: Float8BlockQuantizer, num_tensors: int, rows, k: int, uniform: bool, device) -> dict:
+    """Uninitialised output buffers by name (None for a direction ``q`` does
+    not write), sized from the layout (capacity_sizes) for any split of
+    ``rows`` rows into the members (``uniform``: equal members, exact sizes)."""
+    sizes = capacity_sizes(q, num_tensors, rows, k, uniform=uniform)
+    mk = lambda name, dt, wanted: torch.empty(sizes[name], dtype=dt, device=device) if wanted else None  # noqa: E731
+    return {"rowwise_data": mk("rowwise_data", q.fp8_dtype, q.rowwise),
+            "scale_inv": mk("scale_inv", torch.float32, q.rowwise),
+            "columnwise_data": mk("columnwise_data", q.fp8_dtype, q.columnwise),
+            "columnwise_scale_inv": mk("columnwise_scale_inv", torch.float32, q.columnwise)}
+
+
+def _with_layout(q: Float8BlockQuantizer, g: GroupedTensor, bufs: dict) -> GroupedTensor:
+    """Quantized buffers with g's metadata.  Built without the constructor's
+    checks: the buffers were sized from g's layout and g was validated when
+    it was made."""
     return GroupedTensor._rebuild(
         (g.num_tensors, g.logical_shape, g.dtype, q, False),
-        {"rowwise_data": mk(sizes["rowwise_data"], q.fp8_dtype) if q.rowwise else None,
-         "scale_inv": mk(sizes["scale_inv"], torch.float32) if q.rowwise else None,
-         "columnwise_data": mk(sizes["columnwise_data"], q.fp8_dtype) if q.columnwise else None,
-         "columnwise_scale_inv": mk(sizes["columnwise_scale_inv"], torch.float32) if q.columnwise else None,
-         "first_dims": g.first_dims, "tensor_offsets": g.tensor_offsets, "padded_row_offsets": g.padded_row_offsets,
-         "offsets_status": g.offsets_status})
+        dict(bufs, first_dims=g.first_dims, tensor_offsets=g.tensor_offsets, padded_row_offsets=g.padded_row_offsets,
+             offsets_status=g.offsets_status))
+
+
+def allocate(q: Float8BlockQuantizer, g: GroupedTensor) -> GroupedTensor:
+    """Uninitialised output buffers for the members of ``g``, carrying g's metadata."""
+    rows, k = g.logical_shape
+    return _with_layout(q, g, _buffers(q, g.num_tensors, rows, k, g.shape_kind is ShapeKind.SAME_SHAPE, g.device))
 
 
 def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None, output=None,
@@ -97,15 +106,21 @@ def group_quantize(g: GroupedTensor, q: Float8BlockQuantizer, *, noop_flag=None,
 
 
 def _launch_grouped(x: torch.Tensor, g: GroupedTensor, q: Float8BlockQuantizer, out: GroupedTensor, *,
-                    noop_flag=None, dbias_workspace=None, tiles: int, row_source=None) -> None:
-    """The grouped quantize kernel over the members of ``g`` into ``out``
-    (x: the (rows, K) input, or with ``row_source`` the token matrix the
-    rows are gathered from)."""
+                    noop_flag=None, dbias_workspace=None, tiles: int) -> None:
+    """The grouped quantize kernel over the members of ``g`` into ``out``."""
+    _launch(x, g.padded_row_offsets, g.num_tensors, q, {n: getattr(out, n) for n in _BUFS}, noop_flag=noop_flag,
+            dbias_workspace=dbias_workspace, tiles=tiles)
+
+
+def _launch(x: torch.Tensor, padded_row_offsets, num_tensors: int, q: Float8BlockQuantizer, bufs: dict, *,
+            noop_flag=None, dbias_workspace=None, tiles: int, row_source=None) -> None:
+    """x: the (rows, K) input, or with ``row_source`` the token matrix the
+    rows are gathered from; ``bufs``: the output buffers by name (those of
+    a direction ``q`` does not write are not passed)."""
+    row, col = (lambda n: bufs[n] if q.rowwise else None), (lambda n: bufs[n] if q.columnwise else None)
     ext().fp8_block_quantize(
-        x, g.padded_row_offsets, g.num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim, q.pow2_scales,
-        q.amax_epsilon,
-        out.rowwise_data if q.rowwise else None, out.scale_inv if q.rowwise else None,
-        out.columnwise_data if q.columnwise else None, out.columnwise_scale_inv if q.columnwise else None,
+        x, padded_row_offsets, num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim, q.pow2_scales,
+        q.amax_epsilon, row("rowwise_data"), row("scale_inv"), col("columnwise_data"), col("columnwise_scale_inv"),
         True, noop_flag, dbias_workspace, tiles, row_source)
 
 
@@ -139,32 +154,23 @@ def produced(q: Float8BlockQuantizer):
 
 
 def gather_buffers(tokens: torch.Tensor, rows, num_tensors: int, q: Float8BlockQuantizer):
-    """Uninitialised buffers of a gathered quantization (rowwise data and
-    scales, then columnwise, as ``q`` asks), sized as :func:`allocate`
-    sizes them for any split of ``rows`` rows."""
-    sizes = capacity_sizes(q, num_tensors, rows, tokens.shape[1], uniform=False)
-    mk = lambda n, dt: torch.empty(n, dtype=dt, device=tokens.device)  # noqa: E731
-    out = [mk(sizes["rowwise_data"], q.fp8_dtype), mk(sizes["scale_inv"], torch.float32)] if q.rowwise else []
-    if q.columnwise:
-        out += [mk(sizes["columnwise_data"], q.fp8_dtype), mk(sizes["columnwise_scale_inv"], torch.float32)]
-    return out
+    """Uninitialised buffers of a gathered quantization (:func:`produced`
+    order), sized for any split of ``rows`` rows."""
+    bufs = _buffers(q, num_tensors, rows, tokens.shape[1], False, tokens.device)
+    return [bufs[n] for n in produced(q)]
 
 
 def gather_quantize_impl(tokens: torch.Tensor, row_source: torch.Tensor, padded_row_offsets: torch.Tensor,
                          num_tensors: int, q: Float8BlockQuantizer):
-    """The kernel launch of :func:`gather_quantize`: its buffers, in
-    :func:`gather_buffers` order."""
+    """The kernel launch of :func:`gather_quantize` (arguments checked
+    there): its buffers, in :func:`produced` order."""
     if tokens.data_ptr() % 16:  # (the kernels read 16-byte vectors; a copy of T rows beats making the k*T rows)
         tokens = tokens.clone()
-    check_gather_input(tokens)
     rows = row_source.shape[0]
-    bufs = gather_buffers(tokens, rows, num_tensors, q)
-    named = dict(zip(produced(q), bufs))
-    ext().fp8_block_quantize(
-        tokens, padded_row_offsets, num_tensors, q.fp8_dtype == torch.float8_e5m2, q.block_dim, q.pow2_scales,
-        q.amax_epsilon, named.get("rowwise_data"), named.get("scale_inv"), named.get("columnwise_data"),
-        named.get("columnwise_scale_inv"), True, None, None, cdiv(rows, 128) + num_tensors, row_source)
-    return bufs
+    bufs = _buffers(q, num_tensors, rows, tokens.shape[1], False, tokens.device)
+    _launch(tokens, padded_row_offsets, num_tensors, q, bufs, tiles=row_tiles_bound(rows, num_tensors),
+            row_source=row_source)
+    return [bufs[n] for n in produced(q)]
 
 
 def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: torch.Tensor,
@@ -177,17 +183,11 @@ def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: 
     through ``lpmoe::gather_quantize``."""
     check_gather_input(tokens)
     layout = gather_layout(tokens, row_source.shape[0], first_dims)
-    n = layout.num_tensors
     if tracing():
         bufs = OPS["gather_quantize"](tokens, row_source, layout, q)
     else:
-        bufs = gather_quantize_impl(tokens, row_source, layout.padded_row_offsets, n, q)
-    named = dict.fromkeys(_BUFS)
-    named.update(zip(produced(q), bufs))
-    return GroupedTensor._rebuild(
-        (n, layout.logical_shape, layout.dtype, q, False),
-        dict(named, first_dims=layout.first_dims, tensor_offsets=layout.tensor_offsets,
-             padded_row_offsets=layout.padded_row_offsets, offsets_status=layout.offsets_status))
+        bufs = gather_quantize_impl(tokens, row_source, layout.padded_row_offsets, layout.num_tensors, q)
+    return _with_layout(q, layout, dict(dict.fromkeys(_BUFS), **dict(zip(produced(q), bufs))))
 
 
 def group_dequantize(grouped: GroupedTensor, dtype: torch.dtype) -> GroupedTensor:

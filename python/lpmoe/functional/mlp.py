@@ -134,7 +134,9 @@ class Dh:
     def grad(self, policy: LinearPolicy, splits: Splits, need: Needs) -> Grad:
         if self.quantized is not None:
             return grad_views(self.quantized, need, self.dbias)
-        return policy.grad(self.hp, splits, need) if (need.dgrad or need.wgrad) else Grad(hp=self.hp)
+        if need.dgrad or need.wgrad:
+            return policy.grad(self.hp, splits, need)
+        return Grad(hp=self.hp, dbias=self.dbias)  # (a bias gradient alone: the activation backward fused it)
 
 
 #: the saved objects the fc2 stage reads (the compiled backward of a large
@@ -174,17 +176,18 @@ def mlp_backward_fc2(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main
     return dh, dprobs, w2_grads, b2_grads
 
 
-def mlp_backward_fc1(dh: Optional[Dh], take, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
-    """fc1's backward from the fc2 stage's Dh: (dx, weight grads, bias grads).
-    Call it with the only reference to ``dh`` (no decorator frame either:
-    each FP8 copy of dh must die with the GEMM that reads it)."""
+def mlp_backward_fc1(dh: Optional[Dh], take, splits: Splits, cfg: MLPConfig, dtype, main_grads=None, dx_to=None):
+    """fc1's backward from the fc2 stage's Dh: (dx, weight grads, bias grads)
+    (``dx_to``: see backward_steps).  Call it with the only reference to
+    ``dh`` (no decorator frame either: each FP8 copy of dh must die with the
+    GEMM that reads it)."""
     need1 = cfg.needs[0]
     if dh is None:
         return None, None, None
     grad1 = dh.grad(cfg.fc1.policy, splits, need1)
     del dh
     return backward_steps(cfg.fc1.policy, grad1, take("x1"), take("w1"), splits, need1, cfg.fc1.shape,
-                          dtype=dtype, main_grads=main_grads)
+                          dtype=dtype, main_grads=main_grads, dx_to=dx_to)
 
 
 def mlp_backward_fc1_wgrad(dh: Dh, x1, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
@@ -208,13 +211,15 @@ def mlp_backward_fc1_dgrad(dh: Dh, w1, splits: Splits, cfg: MLPConfig) -> torch.
 
 
 @shares_offsets
-def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=(None, None)):
-    """Gradients (dx, dprobs, w1, b1, w2, b2 lists or None): both stages."""
+def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=(None, None), source=None):
+    """Gradients (dx, dprobs, w1, b1, w2, b2 lists or None): both stages;
+    with ``source`` (routed tokens' backward view) dx is the tokens'."""
     first = list(mlp_backward_fc2(grad_out, take, splits, cfg, dtype, main_grads[1]))
     dprobs, w2_grads, b2_grads = first[1:]
     # pop: the fc1 stage holds the only reference, so each FP8 copy of dh
     # dies with the GEMM that reads it
-    dx, w1_grads, b1_grads = mlp_backward_fc1(first.pop(0), take, splits, cfg, dtype, main_grads[0])
+    dx, w1_grads, b1_grads = mlp_backward_fc1(first.pop(0), take, splits, cfg, dtype, main_grads[0],
+                                              source.rows_to_tokens if source is not None else None)
     return dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads
 
 
@@ -232,8 +237,7 @@ class _GroupedMLP(torch.autograd.Function):
         # kept for fc1's wgrad (save_original_input: the source itself) are
         # saved as the tokens; the map is ctx.source.
         ctx.x1_from_source = isinstance(x1, GatheredRows)
-        if ctx.x1_from_source:
-            x1 = x1.tokens
+        x1 = x1.tokens if ctx.x1_from_source else x1
         copies = {k: o for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2)) if isinstance(o, GroupedTensor)}
         saved.save(ctx, *(None if k in copies else o for k, o in (("x1", x1), ("w1", w1s), ("p", p), ("w2", sw2))))
         saved.hold(ctx, h=h, x2=sx2, **{k: copies.get(k) for k in ("x1", "w1", "w2")})
@@ -268,9 +272,7 @@ class _GroupedMLP(torch.autograd.Function):
             grad_out = ctx.source.with_tokens(grad_out.contiguous())
         dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads = mlp_backward_impl(
             grad_out, take, ctx.splits, cfg, ctx.dtype, tuple(None if w is None else main_grads_of(w)
-                                                              for w in (fused1, fused2)))
-        if ctx.source is not None and dx is not None:  # the rows' gradient back to the tokens
-            dx = ctx.source.rows_to_tokens(dx)
+                                                              for w in (fused1, fused2)), ctx.source)
         ctx.source = None
         need1, need2, _ = cfg.needs
         if fused1 is not None and need1.wgrad:

@@ -56,9 +56,10 @@ def _grad_in(grad: Tensor, back, c: dict):
     return back.with_tokens(grad) if back is not None and c["routed"]["sum"] else grad
 
 
-def _x1_in(x1, back):
-    """fc1's kept input: routed tokens (the forward kept them, not a copy) again around the map."""
-    return back.with_tokens(x1) if back is not None and isinstance(x1, Tensor) else x1
+def _x1_in(x1, back, c: dict):
+    """fc1's saved input: routed tokens the forward kept (fc1's "keep"), not
+    a copy, are read through the map again."""
+    return back.with_tokens(x1) if back is not None and c["fc1"]["keep"] and x1 is not None else x1
 
 
 def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake):
@@ -73,8 +74,7 @@ def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
     back = _route_of(objs, m_splits, rows)
     if fake:
         (_, w, hidden), (_, _, ffn), dev = c["fc1"]["shape"], c["fc2"]["shape"], grad.device
-        tokens = back.rmap.row_map.shape[0] if back is not None else rows
-        out = [torch.empty((tokens, hidden), dtype=dtype, device=dev)] if need1.dgrad else []
+        out = [torch.empty((mlp_route.tokens_of(back, rows), hidden), dtype=dtype, device=dev)] if need1.dgrad else []
         out += [torch.empty((rows,), dtype=specs.dtype_from_name(c["probs_dtype"]), device=dev)] if need_probs else []
         for need, wgrad, (n, k) in ((need1, wgrad1, (w, hidden)), (need2, wgrad2, (hidden, ffn))):
             out += [torch.empty((g, n, k), dtype=dtype, device=dev)] if wgrad else []
@@ -83,11 +83,9 @@ def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
     main_grads = (fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"]),
                   fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"]))
     splits = op_splits(m_splits, host, g, rows, grad.device, False)
-    objs["x1"] = _x1_in(objs["x1"], back)
+    objs["x1"] = _x1_in(objs["x1"], back, c)
     grad = _grad_in(grad, back, c)
-    dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype, main_grads)
-    if back is not None and dx is not None:  # the rows' gradient back to the tokens
-        dx = back.rows_to_tokens(dx)
+    dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype, main_grads, back)
     out = ([dx] if need1.dgrad else []) + ([dprobs] if need_probs else [])
     out += ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
     return out + ([w2g] if wgrad2 else []) + ([b2g] if need2.dbias else [])
@@ -134,8 +132,7 @@ def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fak
     if fake:
         (g, w, hidden), dev = c["fc1"]["shape"], dh_flat[0].device
         if part == "dgrad":
-            tokens = back.rmap.row_map.shape[0] if back is not None else rows
-            return [torch.empty((tokens, hidden), dtype=dtype, device=dev)]
+            return [torch.empty((mlp_route.tokens_of(back, rows), hidden), dtype=dtype, device=dev)]
         out = [torch.empty((g, w, hidden), dtype=dtype, device=dev)] if wgrad1 else []
         return out + ([torch.empty((g, w), dtype=dtype, device=dev)] if need1.dbias else [])
     CALLS["grouped_mlp_backward_fc1"] += 1
@@ -153,7 +150,7 @@ def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fak
         qcol, hp, dbias = dh_objs
         del dh_objs
         main1 = fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"])
-        w1g, b1g = mlp.mlp_backward_fc1_wgrad(mlp.Dh(qcol, hp, dbias), _x1_in(saved_obj, back), splits, cfg, dtype,
+        w1g, b1g = mlp.mlp_backward_fc1_wgrad(mlp.Dh(qcol, hp, dbias), _x1_in(saved_obj, back, c), splits, cfg, dtype,
                                               main1)
     if b1g is not None and b1g is dbias:  # the activation's fused bias gradient, already in dtype: an input
         b1g = b1g.clone()

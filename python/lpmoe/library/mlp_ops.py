@@ -26,8 +26,8 @@ from lpmoe.library import mlp_route, saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
 from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_splits, setup_context_of,
                                          signature)
-from lpmoe.library.mlp_backward_ops import (SAVED_FOR, STAGE_FC2, fc1_dh, fc1_run, fc2_run,  # noqa: F401
-                                            grouped_mlp_backward, grouped_mlp_backward_fc1, mlp_grad_count)
+from lpmoe.library.mlp_backward_ops import (SAVED_FOR, STAGE_FC2, fc1_dh, fc1_run, fc2_run, grouped_mlp_backward,
+                                            grouped_mlp_backward_fc1, mlp_grad_count)
 from lpmoe.library.mlp_config import fc1_parts, mlp_config
 from lpmoe.library.routing import OPS, tracing
 
@@ -209,7 +209,7 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
         "probs_dtype": specs.dtype_name(probs.dtype) if probs is not None else None,
         "first": is_first_microbatch, "grad": torch.is_grad_enabled(),
         "needs": [[need1.dgrad, need1.wgrad, need1.dbias], [need2.dgrad, need2.wgrad, need2.dbias], need_probs],
-        "dtype": specs.dtype_name(x2d.dtype), "routed": mlp_route.route_config(routed, keep1)})
+        "dtype": specs.dtype_name(x2d.dtype), "routed": mlp_route.route_config(routed)})
     return (x2d, probs, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits],
             as_inputs(fc1.weights), as_inputs(fc1.biases), as_inputs(fc2.weights), as_inputs(fc2.biases), config,
             *mlp_route.route_args(routed))

@@ -6,7 +6,8 @@ gradient from the tokens' gradient), so the bf16 grouped rows never exist
 (lpmoe.moe.routed_tokens).  A compiled call does the same inside the layer
 op: the op takes the tokens as ``x`` plus the map's tensors (``row_map``,
 ``used_rows``) and the grouped row count ``rows``, and its configuration
-says ``{"sum": sum_to_tokens, "keep": fc1 keeps the tokens}``.  The
+says ``{"sum": sum_to_tokens}`` (whether fc1 keeps the tokens is fc1's
+``"keep"``).  The
 forward saves three more objects for the backward (:data:`ROUTE`): the map
 and its kept total (op inputs, saved by reference) and the inverse map the
 forward computed (fresh), so no backward stage recomputes it.
@@ -25,18 +26,18 @@ from lpmoe.functional.gathered_rows import GatheredRows
 from lpmoe.moe.routed_tokens import RoutedTokens, RoutingOnly
 from lpmoe.moe.routing_map import RoutingMap
 
-__all__ = ["ROUTE", "route_config", "route_args", "forward_source", "forward_saved", "backward_source"]
+__all__ = ["ROUTE", "route_config", "route_args", "forward_source", "forward_saved", "backward_source", "tokens_of"]
 
 #: the saved objects a routed op appends to lpmoe.functional.mlp.SAVED
 #: (None for an op without routing: no tensors, same layout machinery)
 ROUTE = ("route_map", "route_used", "route_src")
 
 
-def route_config(routed: Optional[GatheredRows], keep: bool) -> Optional[dict]:
+def route_config(routed: Optional[GatheredRows]) -> Optional[dict]:
     """The configuration entry of a call given routed tokens (None: plain rows)."""
     if routed is None:
         return None
-    return {"sum": bool(routed.sum_to_tokens), "keep": bool(keep)}
+    return {"sum": bool(routed.sum_to_tokens)}
 
 
 def route_args(routed: Optional[GatheredRows]) -> tuple:
@@ -49,14 +50,14 @@ def route_args(routed: Optional[GatheredRows]) -> tuple:
 
 
 def _map(row_map, used_rows, rows, m_splits) -> RoutingMap:
-    # (dropped and capacity are the layer's business; the MLP never reads them)
-    return RoutingMap(row_map, m_splits, rows, used_rows, used_rows)
+    # (dropped slots and the capacity are the layer's business; the MLP never reads them)
+    return RoutingMap(row_map, m_splits, rows, used_rows, dropped=None)
 
 
 def forward_source(tokens, row_map, used_rows, rows, m_splits, route: dict) -> RoutedTokens:
-    """The op forward's RoutedTokens: the eager path's object around the op's inputs."""
-    return RoutedTokens(tokens, _map(row_map, used_rows, rows, m_splits), sum_to_tokens=route["sum"],
-                        save_original=route["keep"])
+    """The op forward's RoutedTokens: the eager path's object around the op's
+    inputs (fc1's config, not the object, says whether the tokens are kept)."""
+    return RoutedTokens(tokens, _map(row_map, used_rows, rows, m_splits), sum_to_tokens=route["sum"])
 
 
 def forward_saved(objs: tuple, source: Optional[RoutedTokens], tokens: torch.Tensor) -> tuple:
@@ -67,6 +68,11 @@ def forward_saved(objs: tuple, source: Optional[RoutedTokens], tokens: torch.Ten
     objs = tuple(tokens if isinstance(o, GatheredRows) else o for o in objs)
     back = source.for_backward()
     return objs + (back.rmap.row_map, back.rmap.used_rows, back.row_source)
+
+
+def tokens_of(back, rows):
+    """The token count of an input gradient: the map's (routed), else the rows'."""
+    return back.rmap.row_map.shape[0] if back is not None else rows
 
 
 def backward_source(route_objs, m_splits, rows):

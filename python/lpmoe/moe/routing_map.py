@@ -53,7 +53,7 @@ class RoutingMap:
     m_splits: torch.Tensor           # (E,) int64 on the device: rows kept per expert
     num_rows: int                    # rows of the grouped buffer (static)
     used_rows: Optional[torch.Tensor]  # device int64 scalar: packed layout's kept total; None = padded
-    dropped: torch.Tensor            # device int64 scalar: routed slots dropped by the capacity
+    dropped: Optional[torch.Tensor]  # device int64 scalar: routed slots dropped by the capacity (None: not counted)
     capacity: Optional[int] = None
 
     @property
