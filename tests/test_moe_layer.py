@@ -5,6 +5,7 @@ over gloo in two processes on the CPU; on the GPU: CUDA graphs with new
 routing per replay, no host syncs, FP8; on two GPUs the same distributed
 tests over NCCL, the capacity path under set_sync_debug_mode("error"),
 and FP8 experts."""
+import math
 import socket
 
 import pytest
@@ -147,6 +148,45 @@ def test_compiled_moe_layer_does_not_recompile_as_routing_changes_cpu():
         compiled(x).sum().backward()
         layer.zero_grad(set_to_none=True)
     assert counter.frame_count == 1
+
+
+def test_capacity_is_exact():
+    """ceil(c * T * k / E) in exact arithmetic on c's binary value."""
+    import fractions
+    for c in (0.5, 0.6, 1.0, 1.25, 2.0, 1 / 3):
+        layer = MoELayer(16, 8, 6, 2, device="cpu", params_dtype=torch.float32, capacity_factor=c)
+        for t in (1, 7, 20, 96, 1000):
+            want = max(1, math.ceil(fractions.Fraction(c) * t * 2 / 6))
+            assert layer.capacity(t) == want, (c, t)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compiled_moe_layer_with_capacity_and_dynamic_token_counts_cpu(fp8):
+    """capacity_factor under torch.compile(dynamic=True): the capacity and
+    the grouped row count are symbolic in the token count (integer
+    arithmetic: the float capacity factor once made them unliftable, and
+    the compile failed), and every token count gives eager's bits."""
+    import torch._dynamo.testing
+    torch.manual_seed(6)
+    layer = MoELayer(128, 64, 4, 2, device="cpu", params_dtype=torch.bfloat16, capacity_factor=0.6)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter, dynamic=True)
+    frames = []
+    for t in (24, 40, 56):
+        x = torch.randn(t, 128, dtype=torch.bfloat16)
+        outs = []
+        for fn in (compiled, layer):
+            xi = x.clone().requires_grad_()
+            layer.zero_grad(set_to_none=True)
+            with lpmoe.autocast(enabled=fp8):
+                y = fn(xi)
+            y.float().square().sum().backward()
+            outs.append([y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()])
+        for i, (u, v) in enumerate(zip(*outs)):
+            assert torch.equal(u, v), (t, i)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1]  # (new token counts reuse the first compile)
 
 
 @requires_cuda

@@ -57,7 +57,9 @@ class MoELayer(torch.nn.Module):
             by (e.g. 1/gradient-accumulation steps; DDP's gradient
             averaging applies to it as to everything else).
         capacity_factor: None (default) keeps every routed slot; a number c
-            caps each expert at ceil(c * T * k / E) slots per step (per
+            caps each expert at ceil(c * T * k / E) slots per step (exact:
+            integer arithmetic on c's binary value, so compiled code with a
+            dynamic token count computes the same sizes; per
             source rank with expert parallelism), the overflow is dropped
             (its contribution is 0) and counted in ``self.tokens_dropped``.
         ep_group: a torch.distributed process group to split the experts
@@ -116,6 +118,10 @@ class MoELayer(torch.nn.Module):
             raise ValueError(f"dispatch_fp8 needs hidden_size % 128 == 0, got {hidden_size}")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.capacity_factor = capacity_factor
+        # c as an exact fraction: sizes from integers only (a float read in
+        # traced code becomes a symbolic input under dynamic shapes, and the
+        # buffer sizes derived from it then have no source Dynamo can lift)
+        self._capacity_ratio = None if capacity_factor is None else float(capacity_factor).as_integer_ratio()
         self.ep_group = ep_group
         self.router = TopKRouter(hidden_size, num_experts, top_k, score=score, aux_loss_coeff=aux_loss_coeff,
                                  z_loss_coeff=z_loss_coeff, normalize=normalize, params_dtype=params_dtype,
@@ -146,9 +152,10 @@ class MoELayer(torch.nn.Module):
 
     def capacity(self, tokens: int) -> Optional[int]:
         """Slots kept per expert (per source rank) for ``tokens`` tokens, or None."""
-        if self.capacity_factor is None:
+        if self._capacity_ratio is None:
             return None
-        return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
+        num, den = self._capacity_ratio
+        return max(1, -(-(num * tokens * self.top_k) // (den * self.num_experts)))
 
     def _dispatcher(self, cap: Optional[int]):
         if self.ep_group is None:
