@@ -476,3 +476,51 @@ def test_cuda_saved_memory_per_token():
     out_row, h_row = 2 * h_, 2 * 2 * f_
     assert res["bf16"] == pytest.approx(out_row + h_row + 2 * f_, rel=0.01)
     assert res["fp8"] == pytest.approx(out_row + h_row + (h_ + h_ / 32) + (f_ + f_ / 32), rel=0.01)
+
+
+def test_dgrad_first_rule():
+    """linear_steps.dgrad_first: dgrad first only where it frees something
+    before the weight gradient is made: a quantized weight copy that dies
+    with dgrad, weights with more rows than the input (G*N > rows), the
+    weight gradient allocated (not added into main_grad)."""
+    from lpmoe.functional.linear_steps import dgrad_first
+    w_hp = torch.randn(G * 256, 128, dtype=torch.bfloat16)
+    w_copy = lpmoe.group_quantize(w_hp, lpmoe.Float8BlockQuantizer(block_dim=2), num_tensors=G)
+    shape = (G, 256, 128)
+    x = lambda rows: torch.empty(rows, 128, dtype=torch.bfloat16)  # noqa: E731
+    assert dgrad_first(x(G * 256 - 1), w_copy, shape, None)
+    assert not dgrad_first(x(G * 256), w_copy, shape, None)
+    assert not dgrad_first(x(16), w_copy, shape, [torch.empty(0)])              # main_grad: no dW allocated
+    assert not dgrad_first(x(16), w_copy, shape, None, weights_cached=True)      # the cache keeps the copy
+    assert not dgrad_first(x(16), list(w_hp.split(256)), shape, None)           # the weights themselves
+
+
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8BlockScaling(backward_override="dequantized"),
+                                    Float8BlockScaling(backward_override="high_precision"), None], ids=repr)
+@pytest.mark.parametrize("bias,keep", [(False, False), (True, True)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_backward_order_changes_no_bits(recipe, bias, keep, device, monkeypatch):
+    """Both GEMM orders give the same bits (GroupedMLP and GroupedLinear:
+    every gradient, with the bias gradient fused into whichever dy pass
+    runs first, and with save_original_input)."""
+    import lpmoe.functional.linear_steps as steps
+    x = torch.randn(96, H, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(96, H, dtype=torch.bfloat16, device=device)
+    results = []
+    for first in (True, False):
+        monkeypatch.setattr(steps, "dgrad_first", lambda *a, _f=first, **k: _f)
+        out = []
+        for layer in (make_mlp("swiglu", bias=bias, device=device),
+                      lpmoe.GroupedLinear(G, H, H, bias=bias, params_dtype=torch.bfloat16, device=device,
+                                          save_original_input=keep)):
+            if isinstance(layer, lpmoe.GroupedMLP):
+                layer.linear_fc1.save_original_input = keep
+            torch.manual_seed(0)
+            xi = x.clone().requires_grad_()
+            with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
+                y = layer(xi, torch.tensor([40, 0, 56], device=device))
+            y.backward(dy)
+            out += [y.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+        results.append(out)
+    for i, (u, v) in enumerate(zip(*results)):
+        assert torch.equal(u, v), i

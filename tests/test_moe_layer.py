@@ -150,14 +150,26 @@ def test_compiled_moe_layer_does_not_recompile_as_routing_changes_cpu():
     assert counter.frame_count == 1
 
 
-def test_capacity_is_exact():
-    """ceil(c * T * k / E) in exact arithmetic on c's binary value."""
+def test_capacity_takes_the_factor_as_written():
+    """ceil(c * T * k / E) with c as the decimal says (0.1 is 1/10, not its
+    binary neighbour, which gives one slot more where c*T*k/E is whole),
+    in integer arithmetic; setting capacity_factor later takes effect and
+    is checked."""
     import fractions
-    for c in (0.5, 0.6, 1.0, 1.25, 2.0, 1 / 3):
-        layer = MoELayer(16, 8, 6, 2, device="cpu", params_dtype=torch.float32, capacity_factor=c)
-        for t in (1, 7, 20, 96, 1000):
-            want = max(1, math.ceil(fractions.Fraction(c) * t * 2 / 6))
-            assert layer.capacity(t) == want, (c, t)
+    layer = MoELayer(16, 8, 4, 1, device="cpu", params_dtype=torch.float32, capacity_factor=0.1)
+    assert layer.capacity(120) == 3                      # 0.1 * 120 / 4 = 3 exactly
+    assert float(fractions.Fraction(0.1)) * 120 / 4 == 3.0 and fractions.Fraction(0.1) * 120 / 4 > 3
+    for c in (0.5, 0.6, 1.0, 1.1, 1.25, 2, 1 / 3):
+        layer.capacity_factor = c
+        for t, k, e in ((1, 1, 4), (7, 2, 6), (20, 1, 4), (4000, 8, 64), (10 ** 6, 8, 256)):
+            layer.top_k, layer.num_experts = k, e
+            want = max(1, math.ceil(fractions.Fraction(str(c)) * t * k / e)) if c != 1 / 3 else \
+                max(1, math.ceil(fractions.Fraction(1, 3) * t * k / e))
+            assert layer.capacity(t) == want, (c, t, k, e)
+    layer.capacity_factor = None
+    assert layer.capacity(120) is None
+    with pytest.raises(ValueError, match="capacity_factor"):
+        layer.capacity_factor = 0
 
 
 @pytest.mark.parametrize("fp8", [False, True])

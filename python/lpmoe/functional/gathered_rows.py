@@ -48,6 +48,16 @@ class GatheredRows:
         """Whether :meth:`quantize` takes this quantizer for these tokens."""
         raise NotImplementedError
 
+    def gathered_by(self, policy, need, traced: bool) -> bool:
+        """Whether a layer under ``policy`` (lpmoe.policy.LinearPolicy) with
+        gradient needs ``need`` reads these rows through the map, else the
+        caller makes them first.  Traced code asks without making a
+        quantizer (its construction is not traceable)."""
+        if traced:
+            return policy.gathers_input(need) and self.gathers_tokens()
+        q = policy.input_quantizer(need)
+        return q is not None and self.can_quantize(q)
+
     def gathers_tokens(self) -> bool:
         """Whether a recipe that gathers (FP8 block scaling) reads these
         tokens through the map, from what a trace knows of them (device,

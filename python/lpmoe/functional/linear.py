@@ -99,7 +99,8 @@ def linear_backward_impl(grad_out: torch.Tensor, saved_x, saved_w, splits: Split
     dy = grad_out.contiguous()  # e.g. an expanded (stride-0) grad of .sum()
     grad = cfg.policy.grad(dy, splits, need)
     return backward_steps(cfg.policy, grad, saved_x, saved_w, splits, need, shape, dtype=dtype,
-                          main_grads=main_grads)
+                          main_grads=main_grads,
+                          weights_cached=cfg.weight_cache is not None and cfg.is_first_microbatch is not None)
 
 
 class _GroupedLinear(torch.autograd.Function):

@@ -80,7 +80,7 @@ def bias_step(grad: Grad, splits, need: Needs, dtype: torch.dtype) -> Optional[t
     return dbias.to(dtype)
 
 
-def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads) -> bool:
+def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads, weights_cached: bool = False) -> bool:
     """Whether a layer's dgrad runs before its wgrad.  Run first, wgrad
     frees x's transposed copy (rows x K) before dx (2 bytes each) is made;
     run first, dgrad frees W's transposed copy (G x N x K) before the weight
@@ -88,9 +88,10 @@ def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads) -> bo
     dgrad first holds less exactly when the weights have more rows than the
     input, G*N > rows (few tokens per expert: fc1 of 64 DeepSeek-V3 experts
     at 8k tokens, top-8, holds 1.3 GB less); never when the weight
-    gradient is added into main_grad (nothing is allocated for it) or
-    dgrad reads the weights themselves (no copy to free)."""
-    if main_grads is not None or saved_x is None or not isinstance(saved_w, GroupedTensor):
+    gradient is added into main_grad (nothing is allocated for it), dgrad
+    reads the weights themselves, or the copy is a weight cache's (no copy
+    that dies with dgrad)."""
+    if main_grads is not None or weights_cached or saved_x is None or not isinstance(saved_w, GroupedTensor):
         return False
     rows = saved_x.num_rows if isinstance(saved_x, GatheredRows) else (
         saved_x.logical_shape[0] if isinstance(saved_x, GroupedTensor) else saved_x.shape[0])
@@ -101,15 +102,18 @@ def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads) -> bo
 
 
 def backward_steps(policy: LinearPolicy, grad: Grad, saved_x, saved_w, splits, need: Needs,
-                   shape: Tuple[int, int, int], *, dtype: torch.dtype, main_grads=None, dx_to=None):
+                   shape: Tuple[int, int, int], *, dtype: torch.dtype, main_grads=None, dx_to=None,
+                   weights_cached: bool = False):
     """One layer's backward from an output gradient its policy prepared:
     (dx, weight grads, bias grads).  The two GEMMs run in the order that
-    holds less at once (:func:`dgrad_first`); each operand the caller handed
-    over dies right after its GEMM, and a policy that quantizes dy per
-    direction holds one copy at a time.  ``dx_to``: applied to dx as soon as
-    it is made (routed rows summed back to their tokens: the rows' gradient
-    then dies before a wgrad that runs second)."""
-    first = need.dgrad and need.wgrad and dgrad_first(saved_x, saved_w, shape, main_grads)
+    holds less at once (:func:`dgrad_first`; ``weights_cached``: the weight
+    copy is a cache's): an operand whose only reference the caller handed
+    over (the fused MLP's held copies) dies right after its GEMM, and a
+    policy that quantizes dy per direction holds one copy at a time.
+    ``dx_to``: applied to dx as soon as it is made (routed rows summed back
+    to their tokens: the rows' gradient then dies before a wgrad that runs
+    second)."""
+    first = need.dgrad and need.wgrad and dgrad_first(saved_x, saved_w, shape, main_grads, weights_cached)
     dx = None
     if first:
         dx = dgrad_step(policy, grad, saved_w, splits, shape)

@@ -76,6 +76,10 @@ class MLPConfig:
     grad_enabled: bool
     needs: Tuple[Needs, Needs, bool]  # fc1, fc2, probs
 
+    def weights_cached(self, layer: "_Layer") -> bool:
+        """The layer's FP8 weights live in its cache (they outlive the backward)."""
+        return layer.weight_cache is not None and self.is_first_microbatch is not None
+
 
 def split_params(params, layer: _Layer):
     """(weights, biases or None, inputs used) of ``layer`` at the front of ``params``."""
@@ -158,6 +162,7 @@ def mlp_backward_fc2(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main
             grad_out = grad_out.rows()  # this policy reads the rows themselves
     grad2 = pol2.grad(grad_out if isinstance(grad_out, GatheredRows) else grad_out.contiguous(), splits, need2)
     da, w2_grads, b2_grads = backward_steps(pol2, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
+                                            weights_cached=cfg.weights_cached(cfg.fc2),
                                             dtype=dtype, main_grads=main_grads)
     del grad2
 
@@ -187,7 +192,7 @@ def mlp_backward_fc1(dh: Optional[Dh], take, splits: Splits, cfg: MLPConfig, dty
     grad1 = dh.grad(cfg.fc1.policy, splits, need1)
     del dh
     return backward_steps(cfg.fc1.policy, grad1, take("x1"), take("w1"), splits, need1, cfg.fc1.shape,
-                          dtype=dtype, main_grads=main_grads, dx_to=dx_to)
+                          dtype=dtype, main_grads=main_grads, dx_to=dx_to, weights_cached=cfg.weights_cached(cfg.fc1))
 
 
 def mlp_backward_fc1_wgrad(dh: Dh, x1, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
@@ -359,7 +364,7 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
     grad_enabled = torch.is_grad_enabled()
     needs = mlp_needs(inp, p, fc1, fc2, grad_enabled)
     policy, traced = policy_for(recipe), tracing()
-    if source is not None and not _gathers(source, policy, needs[0], traced):
+    if source is not None and not source.gathered_by(policy, needs[0], traced):
         x2d, source = source.rows(), None  # this recipe reads the rows themselves
     # fc1 keeps its input itself only where the caller holds it anyway: a
     # contiguous tensor input, or routed tokens read as they are gathered
@@ -383,14 +388,6 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
                                   + as_inputs(fc2.biases))
     out = _GroupedMLP.apply(x2d.contiguous(), p, splits, cfg, source, *params)
     return _result(out, routed, source is not None, inp, hidden)
-
-
-def _gathers(source: GatheredRows, policy: LinearPolicy, need1: Needs, traced: bool) -> bool:
-    """Whether fc1 reads ``source``'s tokens through the map (else the rows are made first)."""
-    if traced:  # (traced code makes no quantizer: its construction is not traceable)
-        return policy.gathers_input(need1) and source.gathers_tokens()
-    q = policy.input_quantizer(need1)
-    return q is not None and source.can_quantize(q)
 
 
 def _result(out: torch.Tensor, routed: Optional[GatheredRows], fused: bool, inp: torch.Tensor, hidden: int):

@@ -2,6 +2,7 @@
 -> GroupedMLP -> (combine) -> unpermute, as one module."""
 from __future__ import annotations
 
+import fractions
 import math
 from typing import Optional, Union
 
@@ -19,6 +20,9 @@ from lpmoe.moe.routing_map import routing_map
 from lpmoe.policy import Needs, policy_for
 
 __all__ = ["MoELayer", "attach_aux_loss"]
+
+#: largest denominator of the capacity factor taken as a fraction (MoELayer.capacity)
+_CAPACITY_DENOMINATOR = 10 ** 6
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -57,9 +61,10 @@ class MoELayer(torch.nn.Module):
             by (e.g. 1/gradient-accumulation steps; DDP's gradient
             averaging applies to it as to everything else).
         capacity_factor: None (default) keeps every routed slot; a number c
-            caps each expert at ceil(c * T * k / E) slots per step (exact:
-            integer arithmetic on c's binary value, so compiled code with a
-            dynamic token count computes the same sizes; per
+            caps each expert at ceil(c * T * k / E) slots per step (c taken
+            as the nearest fraction with a denominator up to 10^6, e.g. 0.6
+            as 3/5, and the ceiling in integer arithmetic, so compiled code
+            with a dynamic token count computes the same sizes; per
             source rank with expert parallelism), the overflow is dropped
             (its contribution is 0) and counted in ``self.tokens_dropped``.
         ep_group: a torch.distributed process group to split the experts
@@ -108,20 +113,12 @@ class MoELayer(torch.nn.Module):
                  init_method=None, output_layer_init_method=None, single_grouped_parameter: bool = False,
                  save_original_input: bool = False):
         super().__init__()
-        if capacity_factor is not None and (isinstance(capacity_factor, bool) or
-                                            not isinstance(capacity_factor, (int, float)) or
-                                            not math.isfinite(capacity_factor) or capacity_factor <= 0):
-            raise ValueError(f"capacity_factor must be a positive number or None, got {capacity_factor!r}")
         if dispatch_fp8 and ep_group is None:
             raise ValueError("dispatch_fp8 needs expert parallelism (an ep_group)")
         if dispatch_fp8 and hidden_size % 128:
             raise ValueError(f"dispatch_fp8 needs hidden_size % 128 == 0, got {hidden_size}")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.capacity_factor = capacity_factor
-        # c as an exact fraction: sizes from integers only (a float read in
-        # traced code becomes a symbolic input under dynamic shapes, and the
-        # buffer sizes derived from it then have no source Dynamo can lift)
-        self._capacity_ratio = None if capacity_factor is None else float(capacity_factor).as_integer_ratio()
         self.ep_group = ep_group
         self.router = TopKRouter(hidden_size, num_experts, top_k, score=score, aux_loss_coeff=aux_loss_coeff,
                                  z_loss_coeff=z_loss_coeff, normalize=normalize, params_dtype=params_dtype,
@@ -150,8 +147,27 @@ class MoELayer(torch.nn.Module):
             register_global_expert_numbering(self, "experts.", self.ep_rank * self.num_local_experts,
                                              self.num_local_experts)
 
+    @property
+    def capacity_factor(self) -> Optional[float]:
+        return self._capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value: Optional[float]) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or
+                                  not math.isfinite(value) or value <= 0):
+            raise ValueError(f"capacity_factor must be a positive number or None, got {value!r}")
+        self._capacity_factor = value
+        # c as a small fraction (0.6 is 3/5, 1.1 is 11/10: what the decimal
+        # says, not its binary neighbour): sizes from integers only.  A float
+        # read in traced code becomes a symbolic input under dynamic shapes,
+        # and sizes derived from it have no source Dynamo can lift; small
+        # terms keep c * T * k within int64 wherever a compiler inlines it.
+        f = None if value is None else fractions.Fraction(value).limit_denominator(_CAPACITY_DENOMINATOR)
+        self._capacity_ratio = None if f is None else (f.numerator, f.denominator)
+
     def capacity(self, tokens: int) -> Optional[int]:
-        """Slots kept per expert (per source rank) for ``tokens`` tokens, or None."""
+        """Slots kept per expert (per source rank) for ``tokens`` tokens, or
+        None: ceil(c * tokens * k / E) in integer arithmetic."""
         if self._capacity_ratio is None:
             return None
         num, den = self._capacity_ratio
