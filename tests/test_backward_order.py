@@ -129,3 +129,34 @@ def test_backward_order_changes_no_bits(recipe, bias, keep, device, monkeypatch)
         results.append(out)
     for i, (u, v) in enumerate(zip(*results)):
         assert torch.equal(u, v), i
+
+
+@pytest.mark.parametrize("rows", [1024, 96])
+def test_compiled_three_op_backward_runs_fc1_in_the_eager_order(rows, monkeypatch, request):
+    """The compiled large-layer backward calls fc1's wgrad and dgrad ops in
+    the order eager runs the GEMMs (wgrad first with more rows than G*N,
+    else dgrad first); aot_eager keeps the program order (Inductor orders
+    independent ops by its own peak-memory pass)."""
+    import lpmoe.library.mlp_backward_ops as bops
+    from lpmoe.library import mlp_ops
+    monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0)  # the three-op form at any size
+    # (no compiled-graph caches: a graph cached under other code would decide the order)
+    for cfg, name in ((torch._inductor.config, "fx_graph_cache"), (torch._functorch.config, "enable_autograd_cache")):
+        patch = cfg.patch(**{name: False})
+        patch.__enter__()
+        request.addfinalizer(lambda p=patch: p.__exit__(None, None, None))
+    seen, real = [], bops.fc1_run
+
+    def spy(*a):
+        if not a[-1]:  # (real runs, not the fakes)
+            seen.append(a[-2])
+        return real(*a)
+    monkeypatch.setattr(bops, "fc1_run", spy)
+    mlp = make_mlp("swiglu")
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    x = torch.randn(rows, H, dtype=torch.bfloat16, requires_grad=True)
+    with lpmoe.autocast(recipe=Float8BlockScaling()):
+        y = compiled(x, torch.tensor([rows // 2, 0, rows - rows // 2]))
+    y.backward(torch.randn_like(y))
+    assert seen == (["wgrad", "dgrad"] if rows > G * 2 * FFN else ["dgrad", "wgrad"])

@@ -13,7 +13,7 @@ from lpmoe.gemm import grouped_gemm
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.policy import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
 
-__all__ = ["linear_forward", "backward_steps", "dgrad_first", "dgrad_step", "wgrad_step", "bias_step", "bias_grad",
+__all__ = ["linear_forward", "backward_steps", "dgrad_first", "dgrad_first_by_size", "dgrad_step", "wgrad_step", "bias_step", "bias_grad",
            "fused_wgrad_results"]
 
 # Width of the ones operand of the bias-gradient GEMM: the narrowest the
@@ -91,12 +91,20 @@ def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads, weigh
     gradient is added into main_grad (nothing is allocated for it), dgrad
     reads the weights themselves, or the copy is a weight cache's (no copy
     that dies with dgrad)."""
-    if main_grads is not None or weights_cached or saved_x is None or not isinstance(saved_w, GroupedTensor):
+    if saved_x is None:
         return False
     rows = saved_x.num_rows if isinstance(saved_x, GatheredRows) else (
         saved_x.logical_shape[0] if isinstance(saved_x, GroupedTensor) else saved_x.shape[0])
-    if not isinstance(rows, int):
-        return False  # (a symbolic count inside a trace: the order changes no shape there)
+    return dgrad_first_by_size(rows, shape, isinstance(saved_w, GroupedTensor) and not weights_cached,
+                               main_grads is not None)
+
+
+def dgrad_first_by_size(rows, shape: Tuple[int, int, int], frees_weight_copy: bool, into_main_grad: bool) -> bool:
+    """:func:`dgrad_first` from sizes and flags (the compiled backward
+    decides the order of its fc1 ops from its configuration).  A symbolic
+    row count (a trace with dynamic shapes) counts as unknown: wgrad first."""
+    if into_main_grad or not frees_weight_copy or not isinstance(rows, int):
+        return False
     g, n, _ = shape
     return g * n > rows
 

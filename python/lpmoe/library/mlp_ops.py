@@ -28,7 +28,8 @@ from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_o
                                          signature)
 from lpmoe.library.mlp_backward_ops import (SAVED_FOR, STAGE_FC2, fc1_dh, fc1_run, fc2_run, grouped_mlp_backward,
                                             grouped_mlp_backward_fc1, mlp_grad_count)
-from lpmoe.library.mlp_config import fc1_parts, mlp_config
+from lpmoe.functional.linear_steps import dgrad_first_by_size
+from lpmoe.library.mlp_config import SAVED, fc1_parts, mlp_config
 from lpmoe.library.routing import OPS, tracing
 
 Tensor = torch.Tensor
@@ -112,13 +113,26 @@ def mlp_backward_stages(grad, saved, m_splits, host, fused1, fused2, config: str
     del res
     out = {}
     if need1.any and dh_flat:
-        for part, rest in parts.items():
+        for part in _fc1_order(config, key, rows, parts):
             dh = fc1_dh(dh_flat, key, part)
-            out[part] = grouped_mlp_backward_fc1(dh, *rest) if op else fc1_run(dh, *rest, False)
+            out[part] = grouped_mlp_backward_fc1(dh, *parts[part]) if op else fc1_run(dh, *parts[part], False)
             del dh
     del dh_flat, parts
     n_probs = int(specs.parse(config)["needs"][2])
     return out.get("dgrad", []) + fc2_part[:n_probs] + out.get("wgrad", []) + fc2_part[n_probs:]
+
+
+def _fc1_order(config: str, key: str, rows, parts) -> list:
+    """fc1's backward ops in the order eager runs its GEMMs
+    (lpmoe.functional.linear_steps.dgrad_first).  Backends that keep the
+    program order follow it; Inductor orders independent ops by its own
+    peak-memory pass (it chose the same order on the shapes tried)."""
+    c = specs.parse(config)
+    w1 = saved_layout.LAYOUTS[key][SAVED.index("w1")]
+    cached = c["first"] is not None and c["fc1"]["cache"] >= 0
+    first = dgrad_first_by_size(rows, tuple(c["fc1"]["shape"]), w1[0] == "g" and not cached,
+                                c["fc1"]["fuse"] is not None)
+    return sorted(parts, key=lambda p: p != ("dgrad" if first else "wgrad"))
 
 
 #: h's bytes from which the MLP backward runs as three ops: below, the
