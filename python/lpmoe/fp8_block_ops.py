@@ -167,10 +167,10 @@ def gather_quantize_impl(tokens: torch.Tensor, row_source: torch.Tensor, padded_
     if tokens.data_ptr() % 16:  # (the kernels read 16-byte vectors; a copy of T rows beats making the k*T rows)
         tokens = tokens.clone()
     rows = row_source.shape[0]
-    bufs = _buffers(q, num_tensors, rows, tokens.shape[1], False, tokens.device)
-    _launch(tokens, padded_row_offsets, num_tensors, q, bufs, tiles=row_tiles_bound(rows, num_tensors),
-            row_source=row_source)
-    return [bufs[n] for n in produced(q)]
+    bufs = gather_buffers(tokens, rows, num_tensors, q)
+    _launch(tokens, padded_row_offsets, num_tensors, q, dict(zip(produced(q), bufs)),
+            tiles=row_tiles_bound(rows, num_tensors), row_source=row_source)
+    return bufs
 
 
 def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: torch.Tensor,
@@ -178,10 +178,9 @@ def gather_quantize(tokens: torch.Tensor, row_source: torch.Tensor, first_dims: 
     """group_quantize of the grouped rows ``tokens[row_source[r]]`` (a zero
     row where row_source[r] is -1), members ``first_dims``, read straight
     from ``tokens`` (the kernels' QuantizeArgs::row_source): the rows are
-    never made.  Tokens bf16/fp16, contiguous, K % 16 == 0 (checked before
-    any launch; misaligned tokens are copied first).  Traced calls go
-    through ``lpmoe::gather_quantize``."""
-    check_gather_input(tokens)
+    never made.  Tokens as :func:`check_gather_input` requires (the
+    caller checks, before its own launches; misaligned tokens are copied
+    first).  Traced calls go through ``lpmoe::gather_quantize``."""
     layout = gather_layout(tokens, row_source.shape[0], first_dims)
     if tracing():
         bufs = OPS["gather_quantize"](tokens, row_source, layout, q)

@@ -56,7 +56,7 @@ from lpmoe.functional.linear_steps import backward_steps, fused_wgrad_results, l
 from lpmoe.functional.params import (Params, any_requires_grad, as_inputs, from_inputs, grads_for, input_count,
                                      is_stacked)
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
-from lpmoe.functional.weights import WeightCache, WeightSource
+from lpmoe.functional.weights import WeightCache, WeightSource, cache_in_use
 from lpmoe.grouped_tensor import shares_offsets
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import LinearPolicy, Needs, Tokens, policy_for
@@ -100,7 +100,7 @@ def linear_backward_impl(grad_out: torch.Tensor, saved_x, saved_w, splits: Split
     grad = cfg.policy.grad(dy, splits, need)
     return backward_steps(cfg.policy, grad, saved_x, saved_w, splits, need, shape, dtype=dtype,
                           main_grads=main_grads,
-                          weights_cached=cfg.weight_cache is not None and cfg.is_first_microbatch is not None)
+                          weights_cached=cache_in_use(cfg.weight_cache, cfg.is_first_microbatch))
 
 
 class _GroupedLinear(torch.autograd.Function):

@@ -40,7 +40,7 @@ from lpmoe.functional.linear_steps import (backward_steps, bias_step, dgrad_step
 from lpmoe.functional.params import as_inputs, from_inputs, grads_for, input_count, is_stacked
 from lpmoe.functional.gathered_rows import GatheredRows
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
-from lpmoe.functional.weights import WeightCache, WeightSource
+from lpmoe.functional.weights import WeightCache, WeightSource, cache_in_use
 from lpmoe.grouped_tensor import GroupedTensor, shares_offsets
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Grad, LinearPolicy, Needs, Tokens, policy_for
@@ -78,7 +78,7 @@ class MLPConfig:
 
     def weights_cached(self, layer: "_Layer") -> bool:
         """The layer's FP8 weights live in its cache (they outlive the backward)."""
-        return layer.weight_cache is not None and self.is_first_microbatch is not None
+        return cache_in_use(layer.weight_cache, self.is_first_microbatch)
 
 
 def split_params(params, layer: _Layer):
@@ -104,7 +104,8 @@ SAVED = ("x1", "w1", "probs", "w2", "h", "x2")
 @shares_offsets
 def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig, source: Optional[GatheredRows] = None):
     """y and the saved objects (SAVED order).  With ``source`` fc1's input
-    is quantized from ``source``'s tokens (x2d) as it is gathered."""
+    is quantized from ``source``'s tokens (x2d) as it is gathered, and with
+    its ``sum_to_tokens`` y is each token's sum over its rows."""
     w1, b1, used = split_params(params, cfg.fc1)
     w2, b2, _ = split_params(params[used:], cfg.fc2)
     need1, need2, need_probs = cfg.needs
@@ -120,6 +121,8 @@ def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig, source:
     ws2 = WeightSource(w2, cfg.fc2.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
     y, fw2 = linear_forward(cfg.fc2.policy, Tokens(hp=act.hp, quantized=act.quantized), ws2, b2, splits, need2)
     del act
+    if source is not None and source.sum_to_tokens:  # the unpermute, inside the function
+        y = source.rows_to_tokens(y)
     return y, (fw1.saved_x if need1.wgrad else None, fw1.saved_w if need1.dgrad else None,
                probs if need_act else None, fw2.saved_w if need2.dgrad else None, h if need_act else None,
                fw2.saved_x if need2.wgrad else None)
@@ -254,8 +257,6 @@ class _GroupedMLP(torch.autograd.Function):
         ctx.dtype = x2d.dtype
         ctx.source = source.for_backward() if source is not None else None  # the map, not the tokens
         ctx.sum_to_tokens = source is not None and source.sum_to_tokens
-        if ctx.sum_to_tokens:  # each token's sum over its rows (the unpermute), inside the function
-            y = ctx.source.rows_to_tokens(y)
         return y
 
     @staticmethod

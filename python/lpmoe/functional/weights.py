@@ -13,7 +13,7 @@ from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library.routing import tracing
 from lpmoe.quantize import group_quantize
 
-__all__ = ["WeightCache", "WeightSource", "stack_weights"]
+__all__ = ["WeightCache", "WeightSource", "stack_weights", "cache_in_use"]
 
 
 _cache_counter = itertools.count(1)
@@ -82,6 +82,12 @@ class WeightCache:
                 return None
             self.skip_flag = torch.zeros(1, dtype=torch.float32, device=device)
         return self.skip_flag
+
+
+def cache_in_use(cache: Optional["WeightCache"], is_first_microbatch: Optional[bool]) -> bool:
+    """Whether a call's quantized weights come from (and stay in) ``cache``:
+    only ``is_first_microbatch`` True or False uses one (:func:`_quantized_weights`)."""
+    return cache is not None and is_first_microbatch is not None
 
 
 def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:

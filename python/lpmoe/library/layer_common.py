@@ -8,7 +8,7 @@ from typing import List, Optional
 import torch
 
 from lpmoe.functional.splits import Splits, parse_splits
-from lpmoe.functional.weights import WeightCache
+from lpmoe.functional.weights import WeightCache, cache_in_use
 from lpmoe.policy import Needs
 
 Tensor = torch.Tensor
@@ -23,7 +23,7 @@ def cache_key(cache: Optional[WeightCache], is_first_microbatch) -> int:
     # object).  Only is_first_microbatch True/False uses a cache; with None no
     # key goes into the (constant) configuration, so identical layers share
     # one compiled graph instead of recompiling per instance.
-    return -1 if cache is None or is_first_microbatch is None else cache.key
+    return cache.key if cache_in_use(cache, is_first_microbatch) else -1
 
 
 def op_splits(m_splits: Optional[Tensor], host: Optional[List[int]], num: int, rows: int, device, fake: bool) -> Splits:

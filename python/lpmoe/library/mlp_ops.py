@@ -56,8 +56,6 @@ def _mlp_forward(x, probs, m_splits, host, w1, b1, w2, b2, config, row_map, used
     params = list(w1) + list(b1 or []) + list(w2) + list(b2 or [])
     source = mlp_route.forward_source(x, row_map, used_rows, rows, m_splits, route) if route else None
     y, objs = mlp.mlp_forward_impl(x, probs, splits, params, cfg, source)
-    if route and route["sum"]:  # each token's sum over its rows, as the eager function returns it
-        y = source.rows_to_tokens(y)
     objs = mlp_route.forward_saved(objs, source, x)
     del source
     key = config + "|" + signature(x, m_splits, w1 + w2)
@@ -129,7 +127,7 @@ def _fc1_order(config: str, key: str, rows, parts) -> list:
     peak-memory pass (it chose the same order on the shapes tried)."""
     c = specs.parse(config)
     w1 = saved_layout.LAYOUTS[key][SAVED.index("w1")]
-    cached = c["first"] is not None and c["fc1"]["cache"] >= 0
+    cached = c["fc1"]["cache"] >= 0  # (layer_common.cache_key: a key only for a cache in use)
     first = dgrad_first_by_size(rows, tuple(c["fc1"]["shape"]), w1[0] == "g" and not cached,
                                 c["fc1"]["fuse"] is not None)
     return sorted(parts, key=lambda p: p != ("dgrad" if first else "wgrad"))
