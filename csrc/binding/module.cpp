@@ -15,14 +15,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // a wrong-type failure deep in a layer).  2: splits_to_offsets returns the
   // bulk buffer alone.  3: routing_map, router_backward.  4:
   // fp8_block_quantize's row_source (rows gathered from a token matrix),
-  // permute_row_sources.
-  m.attr("BINDING_VERSION") = 4;
+  // permute_row_sources.  5: fp8_block_dequantize_kernel_launches.
+  m.attr("BINDING_VERSION") = 5;
   m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
         py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
         py::arg("second"), py::arg("capacity_rows"),
         py::arg("device_index"));
   m.def("fp8_block_quantize", &lpmoe::binding::fp8_block_quantize);
   m.def("fp8_block_quantize_kernel_launches", &lpmoe::binding::fp8_block_quantize_kernel_launches);
+  m.def("fp8_block_dequantize_kernel_launches", &lpmoe::binding::fp8_block_dequantize_kernel_launches);
   m.def("fp8_block_dbias_reduce", &lpmoe::binding::fp8_block_dbias_reduce);
   m.def("fp8_block_dequantize", &lpmoe::binding::fp8_block_dequantize);
   m.def("mxfp8_quantize", &lpmoe::binding::mxfp8_quantize);

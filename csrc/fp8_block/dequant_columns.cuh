@@ -1,6 +1,17 @@
-// The columnwise FP8 block dequantize tile, shared by dequantize.cu's kernel
-// and the ablation harness (tools/dequant_ablation), so the harness times
-// exactly the code lpmoe runs.
+// The columnwise FP8 block dequantize tiles, shared by dequantize.cu's
+// kernels and the ablation harness (tools/dequant_ablation), so the harness
+// times exactly the code lpmoe runs.  Two ways to read the transposed source:
+// * staged (used wherever each K row of a tile holds 128 token bytes: the
+//   padded grouped layout, or a single tensor of whole tiles): a CTA takes
+//   two token tiles of one K tile, each warp load covers 256 (or 2 x 128)
+//   contiguous bytes of a K row, into shared memory, transposed back from
+//   there;
+// * registers (any layout): a thread loads 8 bytes of 8 K rows and
+//   transposes them in registers.
+// Why staged: the columnwise source read in 8-byte pieces of 8 rows per warp
+// instruction runs at ~0.88 of a contiguous read on the H100, in 256-byte
+// runs of a row at ~0.99 (docs/perf-notes.md, "the columnwise dequantize's
+// read pattern").
 #pragma once
 
 #include "common/cuda_utils.h"
@@ -31,6 +42,48 @@ __device__ __forceinline__ float tile_scale_2d(const DequantizeArgs& args, const
   }
 }
 
+// 8 K columns x 8 tokens of FP8 (chunk[e]: the 8 token bytes of column e,
+// token r in byte r) written as 8 output rows of 8 values (scale[e] for
+// column e) at dst, dst + ld, ...; rows >= rows_left are skipped.
+template <typename OType, bool kE5M2>
+__device__ __forceinline__ void store_transposed8(OType* dst, int64_t ld, const uint2 (&chunk)[8], const float (&s)[8],
+                                                  int rows_left) {
+#pragma unroll
+  for (int r = 0; r < 8; ++r, dst += ld) {
+    if (r >= rows_left) continue;
+    const int word = r >> 2;
+    const int shift = 8 * (r & 3);
+    uint32_t w[2];  // output row r's eight bytes, column 0 first
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t b0 = (word ? chunk[4 * h].y : chunk[4 * h].x) >> shift;
+      const uint32_t b1 = (word ? chunk[4 * h + 1].y : chunk[4 * h + 1].x) >> shift;
+      const uint32_t b2 = (word ? chunk[4 * h + 2].y : chunk[4 * h + 2].x) >> shift;
+      const uint32_t b3 = (word ? chunk[4 * h + 3].y : chunk[4 * h + 3].x) >> shift;
+      w[h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+    }
+    dequant8_store<OType, kE5M2>(dst, make_uint2(w[0], w[1]), s);
+  }
+}
+
+// The 8 scales of K columns col..col+7 of a token tile: 1D, 8 consecutive
+// floats (16-byte aligned: ld % 4 == 0); 2D, the tile's one scale.
+template <int kBlockDim>
+__device__ __forceinline__ void column_scales8(const DequantizeArgs& args, const TileInfo& ti, int bx_count, int tile_x,
+                                               int64_t col, float (&s)[8]) {
+  if constexpr (kBlockDim == 1) {
+    const int64_t ld = round_up<int64_t>(args.cols, 4);
+    const float4* sp = reinterpret_cast<const float4*>(args.scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col);
+    const float4 lo = __ldg(sp), hi = __ldg(sp + 1);
+    s[0] = lo.x; s[1] = lo.y; s[2] = lo.z; s[3] = lo.w;
+    s[4] = hi.x; s[5] = hi.y; s[6] = hi.z; s[7] = hi.w;
+  } else {
+    const float t = tile_scale_2d<kBlockDim, true>(args, ti, bx_count, tile_x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s[e] = t;
+  }
+}
+
 // Transposed columnwise source, transposed back in registers, for token
 // tile j and K tile tile_x (256 threads): thread (c, g)
 // loads the 8 bytes of tokens 8g..8g+7 from each of K rows 8c..8c+7 (8-byte
@@ -58,7 +111,6 @@ __device__ __forceinline__ void dequantize_columns_tile(const DequantizeArgs& ar
   if (c * kVec >= cols_valid || tok0 >= ti.rows_valid) return;  // no barrier below
   const uint8_t* q = static_cast<const uint8_t*>(args.data);
   OType* out = static_cast<OType*>(args.out);
-  const float tile_scale = tile_scale_2d<kBlockDim, true>(args, ti, bx_count, tile_x);
 
   const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
   const int64_t tokens_in_buffer = args.pad_columnwise_tokens ? kTile : ti.rows_valid;
@@ -79,34 +131,89 @@ __device__ __forceinline__ void dequantize_columns_tile(const DequantizeArgs& ar
     }
   }
   float s[kVec];
-  if constexpr (kBlockDim == 1) {  // columns 8c..8c+7: 8 consecutive floats, 16-byte aligned (ld % 4 == 0)
-    const int64_t ld = round_up<int64_t>(K, 4);
-    const float4* sp =
-        reinterpret_cast<const float4*>(args.scale + ld * (ti.pad128_start / kTile) + ti.local_tile * ld + col0 + c * kVec);
-    const float4 lo = __ldg(sp), hi = __ldg(sp + 1);
-    s[0] = lo.x; s[1] = lo.y; s[2] = lo.z; s[3] = lo.w;
-    s[4] = hi.x; s[5] = hi.y; s[6] = hi.z; s[7] = hi.w;
-  } else {
+  column_scales8<kBlockDim>(args, ti, bx_count, tile_x, col0 + c * kVec, s);
+  store_transposed8<OType, kE5M2>(out + (ti.row0 + tok0) * K + col0 + c * kVec, K, chunk, s, ti.rows_valid - tok0);
+}
+
+// ---- staged: two token tiles of one K tile per CTA (256 threads) ----
+constexpr int kStagedTiles = 2;
+constexpr int kStagedRowBytes = kStagedTiles * kTile;
+// Byte offset of K row k in the shared tile: rows of 256 bytes, each group of
+// 8 rows shifted 32 bytes further (and 128 more every 32 rows, so shifted
+// rows never overlap), so that the 16 lanes of a half-warp reading 8 bytes
+// from 4 row groups x 4 token pieces hit 16 distinct bank pairs.
+__host__ __device__ constexpr int staged_row_offset(int k) {
+  return k * kStagedRowBytes + 32 * ((k >> 3) & 3) + 128 * (k >> 5);
+}
+constexpr int kStagedSmemBytes = staged_row_offset(kTile - 1) + kStagedRowBytes;
+
+// Does the staged tile read this source?  Every K row of a tile must hold
+// 128 token bytes (16-byte aligned): the padded layout, or a single tensor
+// whose rows are whole tiles.
+__host__ __device__ inline bool columns_staged(const DequantizeArgs& a) {
+  return a.pad_columnwise_tokens || (a.group.row == nullptr && a.rows % kTile == 0);
+}
+
+// Token tile j of the staged grid, if it holds rows (the grid rounds the
+// tile count up to whole chunks).
+__device__ __forceinline__ bool staged_tile(const DequantizeArgs& args, int64_t j, TileInfo& ti) {
+  return j < args.max_row_tiles && locate_tile(args.group, args.rows, j, ti) && ti.rows_valid > 0;
+}
+
+// Token tiles 2*chunk and 2*chunk + 1 (each located on its own: they may
+// belong to different members) of K tile tile_x.  Load: warp w reads K rows
+// 16w..16w+15, two per instruction; lane l takes 16 bytes (piece l % 8) of
+// token tile (l / 8) % 2 of row (l / 16): a member's two tiles are 256
+// contiguous bytes of the row.  Then thread (c, g) transposes K rows
+// 8c..8c+7 x tokens 8g..8g+7 of each tile back, as the register tile does.
+template <typename OType, bool kE5M2, int kBlockDim>
+__device__ __forceinline__ void dequantize_columns_staged(const DequantizeArgs& args, int64_t chunk, int tile_x,
+                                                          uint8_t* smem) {
+  const int64_t K = args.cols;
+  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
+  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int64_t j0 = kStagedTiles * chunk;
+  {
+    const int t = (lane >> 3) & 1, piece = lane & 7, sub_row = lane >> 4;
+    TileInfo ti;
+    if (staged_tile(args, j0 + t, ti)) {
+      const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
+      const uint8_t* src = static_cast<const uint8_t*>(args.data) + K * ti.pad128_start + ti.local_tile * kTile +
+                           col0 * pitch + 16 * piece;
+      constexpr int kLoads = kTile / 8 / 2;  // 16 rows per warp, 2 per instruction
+      uint4 v[kLoads];
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) s[e] = tile_scale;
-  }
-  // Output row tok0 + r, a running pointer (one add per row).
-  OType* dst = out + (ti.row0 + tok0) * K + col0 + c * kVec;
+      for (int i = 0; i < kLoads; ++i) {
+        const int k = 16 * warp + 2 * i + sub_row;
+        if (k < cols_valid) v[i] = __ldg(reinterpret_cast<const uint4*>(src + k * pitch));
+      }
 #pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r, dst += K) {
-    if (tok0 + r >= ti.rows_valid) continue;
-    const int word = r >> 2;
-    const int shift = 8 * (r & 3);
-    uint32_t w[2];  // output row r's eight bytes, column 8c first
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t b0 = (word ? chunk[4 * h].y : chunk[4 * h].x) >> shift;
-      const uint32_t b1 = (word ? chunk[4 * h + 1].y : chunk[4 * h + 1].x) >> shift;
-      const uint32_t b2 = (word ? chunk[4 * h + 2].y : chunk[4 * h + 2].x) >> shift;
-      const uint32_t b3 = (word ? chunk[4 * h + 3].y : chunk[4 * h + 3].x) >> shift;
-      w[h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+      for (int i = 0; i < kLoads; ++i) {
+        const int k = 16 * warp + 2 * i + sub_row;
+        if (k < cols_valid) *reinterpret_cast<uint4*>(smem + staged_row_offset(k) + kTile * t + 16 * piece) = v[i];
+      }
     }
-    dequant8_store<OType, kE5M2>(dst, make_uint2(w[0], w[1]), s);
+  }
+  __syncthreads();
+  const int g = 4 * (warp & 3) + (lane & 3);   // tokens 8g..8g+7 of a tile
+  const int c = 8 * (warp >> 2) + (lane >> 2);  // K columns 8c..8c+7
+  const int tok0 = 8 * g;
+  if (c * 8 >= cols_valid) return;  // cols_valid is a multiple of 16: all 8 columns in or out
+#pragma unroll 1
+  for (int t = 0; t < kStagedTiles; ++t) {
+    TileInfo ti;
+    if (!staged_tile(args, j0 + t, ti) || tok0 >= ti.rows_valid) continue;
+    uint2 q[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      q[e] = *reinterpret_cast<const uint2*>(smem + staged_row_offset(8 * c + e) + kTile * t + 8 * g);
+    float s[8];
+    column_scales8<kBlockDim>(args, ti, bx_count, tile_x, col0 + 8 * c, s);
+    store_transposed8<OType, kE5M2>(static_cast<OType*>(args.out) + (ti.row0 + tok0) * K + col0 + 8 * c, K, q, s,
+                                    ti.rows_valid - tok0);
   }
 }
 

@@ -1,10 +1,12 @@
 // FP8 block-scaling dequantize, grouped or single tensor: out[r, k] =
 // OType(fl(float(q) * scale_inv_of_block)) (formats.md §1.4, §1.8), always
 // written untransposed as (rows, K).  Reads either the rowwise copy or the
-// transposed columnwise copy (transposed back in registers:
-// dequant_columns.cuh).  Same 128x128 tile map as quantize: any member sizes.
+// transposed columnwise copy (transposed back through shared memory or in
+// registers: dequant_columns.cuh).  Same 128x128 tile map as quantize: any member sizes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <atomic>
 
 #include "common/cuda_utils.h"
 #include "common/dequant_vec.cuh"
@@ -23,6 +25,9 @@ namespace {
 using dequant_detail::tile_scale_2d;
 
 constexpr int kThreads = 256;
+
+std::atomic<int64_t> g_launches[static_cast<int>(DequantizeKernel::kCount)];
+void count_launch(DequantizeKernel k) { g_launches[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 // Rowwise CTAs take a slice of a 128x128 tile: more, shorter CTAs kept
 // more loads in flight per SM (measured: 32-row slices 0.94-0.96 of copy,
 // 64 rows 0.93-0.95, whole tiles 0.90-0.93).
@@ -77,8 +82,8 @@ __global__ void __launch_bounds__(kThreads) dequantize_rows_kernel(const Dequant
   }
 }
 
-// Columnwise source (dequant_columns.cuh).  Linear grid, token-tile fastest
-// (runs of tokens of the same K rows).
+// Columnwise source (dequant_columns.cuh).  Linear grids, token tiles
+// fastest (CTAs running together read runs of tokens of the same K rows).
 template <typename OType, bool kE5M2, int kBlockDim>
 __global__ void __launch_bounds__(kThreads) dequantize_columns_kernel(const DequantizeArgs args) {
   dequant_detail::dequantize_columns_tile<OType, kE5M2, kBlockDim>(args, blockIdx.x % args.max_row_tiles,
@@ -86,11 +91,25 @@ __global__ void __launch_bounds__(kThreads) dequantize_columns_kernel(const Dequ
 }
 
 template <typename OType, bool kE5M2, int kBlockDim>
+__global__ void __launch_bounds__(kThreads, 3) dequantize_columns_staged_kernel(const DequantizeArgs args, int64_t chunks) {
+  __shared__ __align__(16) uint8_t smem[dequant_detail::kStagedSmemBytes];
+  dequant_detail::dequantize_columns_staged<OType, kE5M2, kBlockDim>(args, blockIdx.x % chunks,
+                                                                     static_cast<int>(blockIdx.x / chunks), smem);
+}
+
+template <typename OType, bool kE5M2, int kBlockDim>
 cudaError_t launch_dir(const DequantizeArgs& a, int64_t tiles, cudaStream_t s) {
-  if (a.columnwise) {
+  if (a.columnwise && dequant_detail::columns_staged(a)) {
+    const int64_t chunks = ceil_div<int64_t>(a.max_row_tiles, dequant_detail::kStagedTiles);
+    const int64_t ctas = chunks * (tiles / a.max_row_tiles);
+    count_launch(DequantizeKernel::kColumnsStaged);
+    dequantize_columns_staged_kernel<OType, kE5M2, kBlockDim><<<static_cast<unsigned>(ctas), kThreads, 0, s>>>(a, chunks);
+  } else if (a.columnwise) {
+    count_launch(DequantizeKernel::kColumnsRegisters);
     dequantize_columns_kernel<OType, kE5M2, kBlockDim><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);
   } else {
     if (kRowSlices * tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    count_launch(DequantizeKernel::kRows);
     dequantize_rows_kernel<OType, kE5M2, kBlockDim><<<static_cast<unsigned>(kRowSlices * tiles), kThreads, 0, s>>>(a);
   }
   return cudaGetLastError();
@@ -107,6 +126,11 @@ cudaError_t launch_fp8(const DequantizeArgs& a, int64_t tiles, cudaStream_t s) {
 }
 
 }  // namespace
+
+int64_t dequantize_kernel_launches(DequantizeKernel kernel) {
+  const int k = static_cast<int>(kernel);
+  return k >= 0 && k < static_cast<int>(DequantizeKernel::kCount) ? g_launches[k].load(std::memory_order_relaxed) : 0;
+}
 
 cudaError_t launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   if (a.rows < 0 || a.cols < 0 || a.cols % 16 != 0 || (a.block_dim != 1 && a.block_dim != 2))

@@ -98,5 +98,12 @@ struct DequantizeArgs {
 
 cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 
+// Launches of each dequantize kernel since the process started (tests prove
+// which one a call took): rowwise source, columnwise source staged through
+// shared memory (padded layout, or a single tensor of whole 128-row tiles),
+// columnwise source transposed in registers (any other layout).
+enum class DequantizeKernel { kRows = 0, kColumnsStaged = 1, kColumnsRegisters = 2, kCount = 3 };
+int64_t dequantize_kernel_launches(DequantizeKernel kernel);
+
 }  // namespace fp8_block
 }  // namespace lpmoe

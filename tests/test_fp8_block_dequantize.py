@@ -1,0 +1,120 @@
+"""FP8 block dequantize kernels: which kernel reads which source, and their
+bits against the CPU reference on every FP8 code.
+
+The columnwise (transposed) source has two GPU readers
+(csrc/fp8_block/dequant_columns.cuh): the staged tile (two token tiles per
+CTA through shared memory) wherever every K row of a tile holds 128 token
+bytes, and the register tile elsewhere.  Each call's kernel is counted, so a
+silent switch to the other one fails here.
+"""
+import pytest
+import torch
+
+import lpmoe
+from conftest import poison_allocator, requires_cuda
+from lpmoe import Float8BlockQuantizer
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _launches():
+    from lpmoe._ext import ext
+    return ext().fp8_block_dequantize_kernel_launches()  # (rows, columns staged, columns registers)
+
+
+def _random_codes_(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Every byte value (NaN, inf for E5M2, subnormals, zeros of both signs)."""
+    t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+
+
+def _random_scales_(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Powers of two from subnormal (2^-130) to 2^20, and non-powers."""
+    e = torch.randint(-130, 21, t.shape, generator=gen).float()
+    m = 1 + torch.rand(t.shape, generator=gen) * (torch.rand(t.shape, generator=gen) < 0.5)
+    t.copy_(torch.ldexp(m, e))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise, except that any NaN equals any NaN (its payload is not specified)."""
+    a, b = a.cpu(), b.cpu()
+    nan = a.isnan()
+    if a.dtype != b.dtype or not torch.equal(nan, b.isnan()):
+        return False
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return torch.equal(a[~nan].view(bits), b[~nan].view(bits))
+
+
+def _grouped_pair(splits, k, q, capacity_extra, seed):
+    """The same FP8 group on the CPU and the GPU, its columnwise bytes and
+    scales replaced by random codes (identical on both)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(splits) + capacity_extra
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    fd = torch.tensor(splits)
+    gc = lpmoe.group_quantize(x, q, len(splits), first_dims=fd)
+    gg = lpmoe.group_quantize(x.cuda(), q, len(splits), first_dims=fd.cuda())
+    for name, fill in (("columnwise_data", _random_codes_), ("columnwise_scale_inv", _random_scales_)):
+        src = getattr(gc, name)
+        fill(src, gen)
+        getattr(gg, name).copy_(src)
+    return gc, gg
+
+
+@requires_cuda
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_group_dequantize_columns_staged_every_code(fp8, block_dim, out_dtype):
+    # 19 token tiles (odd: the last chunk's second tile does not exist);
+    # chunks whose two tiles belong to different members (1-row, 127-row,
+    # empty members); a partial K tile (1040 = 8 x 128 + 16); a capacity tail.
+    splits = [0, 1, 127, 128, 129, 255, 0, 300, 1000, 3]
+    k = 1040
+    q = Float8BlockQuantizer(fp8, block_dim=block_dim, rowwise=False, columnwise=True)
+    gc, gg = _grouped_pair(splits, k, q, capacity_extra=77, seed=11 + block_dim)
+    poison_allocator()
+    before = _launches()
+    yg = lpmoe.group_dequantize(gg, out_dtype)
+    torch.cuda.synchronize()
+    after = _launches()
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (0, 1, 0)
+    yc = lpmoe.group_dequantize(gc, out_dtype)
+    n = sum(splits) * k
+    assert _same(yc.rowwise_data[:n], yg.rowwise_data[:n])
+
+
+@requires_cuda
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("shape,kernel", [((256, 1040), 1), ((128, 16), 1), ((993, 512), 2), ((65, 96), 2)])
+def test_gpu_single_tensor_dequantize_columns_kernel_choice(shape, kernel, block_dim):
+    # A single tensor's transposed copy is unpadded: whole 128-row tiles take
+    # the staged tile, other row counts the register tile.
+    gen = torch.Generator().manual_seed(5)
+    q = Float8BlockQuantizer(E4M3, block_dim=block_dim)
+    x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+    ref = lpmoe.quantize(x, q)
+    _random_codes_(ref.columnwise_data, gen)
+    _random_scales_(ref.columnwise_scale_inv, gen)
+    cols = type(ref)(None, None, ref.columnwise_data, ref.columnwise_scale_inv, ref.fp8_dtype, ref.block_dim)
+    cols_gpu = type(ref)(None, None, ref.columnwise_data.cuda(), ref.columnwise_scale_inv.cuda(), ref.fp8_dtype,
+                         ref.block_dim)
+    poison_allocator()
+    before = _launches()
+    got = lpmoe.dequantize(cols_gpu, torch.bfloat16)
+    torch.cuda.synchronize()
+    after = _launches()
+    assert after[kernel] - before[kernel] == 1 and sum(after) - sum(before) == 1
+    assert _same(lpmoe.dequantize(cols, torch.bfloat16), got)
+
+
+@requires_cuda
+def test_gpu_group_dequantize_rows_counted():
+    q = Float8BlockQuantizer(E4M3, block_dim=1, rowwise=True, columnwise=False)
+    x = torch.randn(300, 256).to(torch.bfloat16)
+    fd = torch.tensor([100, 0, 200])
+    gg = lpmoe.group_quantize(x.cuda(), q, 3, first_dims=fd.cuda())
+    before = _launches()
+    lpmoe.group_dequantize(gg, torch.bfloat16)
+    torch.cuda.synchronize()
+    after = _launches()
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (1, 0, 0)
