@@ -9,8 +9,8 @@
 // * registers (any layout): a thread loads 8 bytes of 8 K rows and
 //   transposes them in registers.
 // Why staged: the columnwise source read in 8-byte pieces of 8 rows per warp
-// instruction runs at ~0.88 of a contiguous read on the H100, in 256-byte
-// runs of a row at ~0.99 (docs/perf-notes.md, "the columnwise dequantize's
+// instruction runs at 0.89-0.91 of a contiguous read on the H100, in runs
+// of a row at 0.98-0.99 (docs/perf-notes.md, "the columnwise dequantize's
 // read pattern").
 #pragma once
 
