@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lpmoe
-from conftest import poison_allocator, requires_cuda
+from conftest import poison_, poison_allocator, requires_cuda
 from lpmoe import Float8BlockQuantizer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -65,9 +65,10 @@ def _grouped_pair(splits, k, q, capacity_extra, seed):
 @pytest.mark.parametrize("block_dim", [1, 2])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_group_dequantize_columns_staged_every_code(fp8, block_dim, out_dtype):
-    # 19 token tiles (odd: the last chunk's second tile does not exist);
-    # chunks whose two tiles belong to different members (1-row, 127-row,
-    # empty members); a partial K tile (1040 = 8 x 128 + 16); a capacity tail.
+    # 19 token tiles (odd: the last chunk's second tile lies past the last
+    # member); chunks whose two tiles belong to different members (1-row,
+    # 127-row, empty members); a partial K tile (1040 = 8 x 128 + 16); a
+    # capacity tail, whose output rows no kernel may write.
     splits = [0, 1, 127, 128, 129, 255, 0, 300, 1000, 3]
     k = 1040
     q = Float8BlockQuantizer(fp8, block_dim=block_dim, rowwise=False, columnwise=True)
@@ -81,6 +82,16 @@ def test_gpu_group_dequantize_columns_staged_every_code(fp8, block_dim, out_dtyp
     yc = lpmoe.group_dequantize(gc, out_dtype)
     n = sum(splits) * k
     assert _same(yc.rowwise_data[:n], yg.rowwise_data[:n])
+    # The same launch into a poisoned output of our own: the valid rows
+    # equal, the capacity tail's bytes untouched.
+    from lpmoe._ext import ext
+    from lpmoe._op_utils import max_row_tiles
+    rows = gg.logical_shape[0]
+    out = poison_(torch.empty(rows * k, dtype=out_dtype, device="cuda"))
+    ext().fp8_block_dequantize(gg.columnwise_data, gg.columnwise_scale_inv, True, True, fp8 == E5M2, block_dim,
+                               rows, k, gg.padded_row_offsets, gg.num_tensors, out, max_row_tiles(gg))
+    assert torch.equal(out[:n].view(torch.uint8), yg.rowwise_data[:n].view(torch.uint8))
+    assert bool((out[n:].view(torch.uint8) == 0xA5).all())
 
 
 @requires_cuda
