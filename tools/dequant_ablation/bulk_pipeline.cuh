@@ -69,7 +69,6 @@ __global__ void __launch_bounds__(kThreads) dq_cols_bulk(const fp8_block::Dequan
   const int c = 8 * (warp >> 2) + (lane >> 2);
   const int tok0 = 8 * g;
   OType* out = static_cast<OType*>(args.out);
-  const int64_t ld = round_up<int64_t>(K, 4);
   for (int64_t i = blockIdx.x; i < tiles; i += gridDim.x) {
     TileInfo ti; int tile_x;
     if (!tile_at<kMode>(args, i, ti, tile_x)) continue;
@@ -77,12 +76,7 @@ __global__ void __launch_bounds__(kThreads) dq_cols_bulk(const fp8_block::Dequan
     const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
     const bool mine = c * 8 < cols_valid && tok0 < ti.rows_valid;
     float s[8];
-    if (mine) {
-      const float4* sp = reinterpret_cast<const float4*>(args.scale + ld * (ti.pad128_start / kTile) +
-                                                         ti.local_tile * ld + col0 + c * 8);
-      const float4 lo = __ldg(sp), hi = __ldg(sp + 1);
-      s[0] = lo.x; s[1] = lo.y; s[2] = lo.z; s[3] = lo.w; s[4] = hi.x; s[5] = hi.y; s[6] = hi.z; s[7] = hi.w;
-    }
+    if (mine) fp8_block::dequant_detail::column_scales8<1>(args, ti, 0, tile_x, col0 + c * 8, s);
     uint2 chunk[8];
     if (kMode >= 2) {
 #pragma unroll
@@ -103,22 +97,8 @@ __global__ void __launch_bounds__(kThreads) dq_cols_bulk(const fp8_block::Dequan
       if (chunk[0].x == 0x12345678u && chunk[7].y == 0x9abcdef0u) out[0] = OType(1.0f);
       continue;
     }
-    OType* dst = out + (ti.row0 + tok0) * K + col0 + c * 8;
-#pragma unroll
-    for (int r = 0; r < 8; ++r, dst += K) {
-      if (tok0 + r >= ti.rows_valid) continue;
-      const int word = r >> 2, shift = 8 * (r & 3);
-      uint32_t w[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t b0 = (word ? chunk[4 * h].y : chunk[4 * h].x) >> shift;
-        const uint32_t b1 = (word ? chunk[4 * h + 1].y : chunk[4 * h + 1].x) >> shift;
-        const uint32_t b2 = (word ? chunk[4 * h + 2].y : chunk[4 * h + 2].x) >> shift;
-        const uint32_t b3 = (word ? chunk[4 * h + 3].y : chunk[4 * h + 3].x) >> shift;
-        w[h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
-      }
-      dequant8_store<OType, kE5M2>(dst, make_uint2(w[0], w[1]), s);
-    }
+    fp8_block::dequant_detail::store_transposed8<OType, kE5M2>(out + (ti.row0 + tok0) * K + col0 + c * 8, K, chunk, s,
+                                                               ti.rows_valid - tok0);
   }
 }
 

@@ -98,9 +98,6 @@ int main(int argc, char** argv) {
   V vars[] = {
       {"registers", [](fp8_block::DequantizeArgs b, unsigned n) { dq_cols_registers<__nv_bfloat16, false><<<n, 256>>>(b); }},
       {"bulk3", [](fp8_block::DequantizeArgs b, unsigned n) { bulk::launch<3>(b, n); }},
-      {"staged-cs", [](fp8_block::DequantizeArgs b, unsigned n) { hint::launch<1>(b, n); }},
-      {"staged-evict-first", [](fp8_block::DequantizeArgs b, unsigned n) { hint::launch<2>(b, n); }},
-      {"staged-evict-last", [](fp8_block::DequantizeArgs b, unsigned n) { hint::launch<3>(b, n); }},
       {"rd-contig", [](fp8_block::DequantizeArgs b, unsigned n) { rd::contig<<<132 * 8, 256>>>(b, int64_t(b.max_row_tiles) * 128 * b.cols); }},
       {"rd-pattern", [](fp8_block::DequantizeArgs b, unsigned n) { rd::pattern<<<n, 256>>>(b); }},
       {"rd-rows512", [](fp8_block::DequantizeArgs b, unsigned n) { rd::rows512<<<n / 4, 256>>>(b); }},
