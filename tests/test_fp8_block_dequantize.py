@@ -129,3 +129,43 @@ def test_gpu_group_dequantize_rows_counted():
     torch.cuda.synchronize()
     after = _launches()
     assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (1, 0, 0)
+
+
+@requires_cuda
+def test_gpu_group_dequantize_columns_staged_graph_replay_new_splits_no_sync():
+    # The staged tile reads the member sizes on the device: capture once,
+    # replay with new splits, equal to eager each time, no host sync.
+    q = Float8BlockQuantizer(E4M3, block_dim=1, rowwise=False, columnwise=True)
+    rows, k, n = 2048, 272, 4
+    x = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
+    fd = torch.empty(n, device="cuda", dtype=torch.int64)
+    x.normal_()
+    fd.copy_(torch.tensor([500, 0, 1000, 300]))
+
+    def step():
+        g = lpmoe.group_quantize(x, q, n, first_dims=fd)
+        return g, lpmoe.group_dequantize(g, torch.bfloat16)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # warm-up
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        before = _launches()
+        with torch.cuda.graph(graph):
+            _, y = step()
+        assert _launches()[1] - before[1] == 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for splits in ([1, 127, 129, 1000], [0, 0, 0, 2000], [700, 700, 0, 1]):
+        x.normal_()
+        fd.copy_(torch.tensor(splits))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = lpmoe.group_dequantize(lpmoe.group_quantize(x.clone(), q, n, first_dims=fd.clone()), torch.bfloat16)
+        m = sum(splits) * k
+        assert torch.equal(y.rowwise_data[:m].view(torch.int16), eager.rowwise_data[:m].view(torch.int16))
