@@ -42,12 +42,14 @@ __device__ __forceinline__ bool tile_at(const Common& c, unsigned idx, unsigned 
 // Persistent loop over this CTA's tiles (idx = blockIdx.x + k * gridDim.x)
 // with one shared-memory stage: compute(buf, t) reads tile t from the stage
 // into registers, then stage(buf, next) issues the copies of the CTA's next
-// tile into the same stage, and finish(buf, t) quantizes / stores from
-// registers while they land; stage_late(buf, next) issues copies that must
+// tile into the same stage, and finish(buf, t, late) quantizes / stores from
+// registers while they land.  stage_late(buf, next) issues copies that must
 // wait until finish has used the stage again (finish may keep data in the
-// parts of the stage that only stage_late refills).  Each thread copies, reads
-// and writes only its own part of a stage, so only the tile quantizer's
-// shared scratch needs the barrier between tiles.
+// parts of the stage that only stage_late refills): finish calls late()
+// exactly once, as soon as it has read those parts back, so the late copies
+// overlap the rest of finish.  Each thread copies, reads and writes only its
+// own part of a stage, so only the tile quantizer's shared scratch needs the
+// barrier between tiles.
 template <typename StageFn, typename LateFn, typename ComputeFn, typename FinishFn>
 __device__ __forceinline__ void for_each_tile(const Common& c, uint8_t* buf, StageFn stage, LateFn stage_late,
                                               ComputeFn compute, FinishFn finish) {
@@ -68,10 +70,13 @@ __device__ __forceinline__ void for_each_tile(const Common& c, uint8_t* buf, Sta
     asm volatile("" ::: "memory");  // the stage reads above stay before the copies that overwrite it
     if (next) stage(buf, n);
     cp_async_commit();
-    if (have) finish(buf, t);
-    asm volatile("" ::: "memory");
-    if (next) stage_late(buf, n);
-    cp_async_commit();
+    auto late = [&] {
+      asm volatile("" ::: "memory");  // finish's stage reads stay before the copies that overwrite them
+      if (next) stage_late(buf, n);
+      cp_async_commit();
+    };
+    if (have) finish(buf, t, late);
+    else late();
     __syncthreads();  // the tile quantizer's scratch is reused by the next tile
     t = n;
     have = next;

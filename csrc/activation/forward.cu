@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const ForwardArgs 
       }
     }
   };
-  auto finish = [&](const uint8_t*, const TileRef& t) {
+  auto finish = [&](const uint8_t*, const TileRef& t, auto&& late) {
+    late();  // nothing is staged late
     if (args.out != nullptr) store_tile<IType>(static_cast<IType*>(args.out), c.ffn, static_cast<int64_t>(t.x) * kTile, t, out);
     if constexpr (kFp8) fp8_block::process_tile<IType, false, 1>(args.fp8, t.ti, t.j, t.x, out, sm);
   };
