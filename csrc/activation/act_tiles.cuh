@@ -1,7 +1,7 @@
 // Persistent tile loop of the activation kernels: 128-row x 128-column tiles
-// of (rows, F), F-tile fastest, streamed through kStages shared-memory stages
-// with cp.async (common/tile_stage.cuh) so the loads of the next tiles overlap
-// the math and quantization of the current one.
+// of (rows, F), F-tile fastest, streamed through one shared-memory stage per
+// CTA with cp.async (common/tile_stage.cuh) so the loads of the next tile
+// overlap the math and quantization of the current one.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,11 +45,13 @@ __device__ __forceinline__ bool tile_at(const Common& c, unsigned idx, unsigned 
 // tile into the same stage, and finish(buf, t, late) quantizes / stores from
 // registers while they land.  stage_late(buf, next) issues copies that must
 // wait until finish has used the stage again (finish may keep data in the
-// parts of the stage that only stage_late refills): finish calls late()
-// exactly once, as soon as it has read those parts back, so the late copies
-// overlap the rest of finish.  Each thread copies, reads and writes only its
-// own part of a stage, so only the tile quantizer's shared scratch needs the
-// barrier between tiles.
+// parts of the stage that only stage_late refills).  finish calls late()
+// exactly once, after its last read of those parts (the loop calls it itself
+// when there is no tile); late() holds those reads before the copies with a
+// compiler barrier, issues them and commits the iteration's second cp.async
+// group.  Calling it early lets the late copies overlap the rest of finish.
+// Each thread copies, reads and writes only its own part of a stage, so only
+// the tile quantizer's shared scratch needs the barrier between tiles.
 template <typename StageFn, typename LateFn, typename ComputeFn, typename FinishFn>
 __device__ __forceinline__ void for_each_tile(const Common& c, uint8_t* buf, StageFn stage, LateFn stage_late,
                                               ComputeFn compute, FinishFn finish) {

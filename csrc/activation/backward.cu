@@ -48,7 +48,8 @@ constexpr int backward_smem_bytes() {
 // and the sigmoid table) + 17 KB of quantizer scratch each, at most 128
 // registers.  Only one dh half is held in registers at a time: compute()
 // parks the value half in this thread's own slots of the value stage (just
-// read, refilled only by stage_late after finish), so nothing spills.
+// read; refilled by the late copies, which finish issues once it has read the
+// value half back), so nothing spills.
 template <typename IType, Kind K, bool kFp8, bool kTable>
 __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArgs args) {
   static_assert(!kTable || table_allowed<IType, K, kFp8>(), "the table serves the FP8 bf16 SwiGLU backward");
@@ -136,11 +137,12 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArg
     if constexpr (kGlu) {
       RawVec8<IType> dv[kStageRowsPerThread];
       read_stage_tile<IType>(buf + kValue, dv);
-      // The value slots are free now.  Before a second quantizer pass the
-      // next tile's value copies go out here and overlap it (issued after the
-      // pass they sat exposed at the next tile's wait: 8 x 64k tokens, F 2048,
-      // H100, 570 -> 537 us); with high-precision outputs only, after the
-      // stores (issued before them: 527 -> 533 us).
+      // The value slots are free now.  When a second quantizer pass follows,
+      // the next tile's value copies go out here and overlap it; issued after
+      // the pass, they sat exposed at the next tile's wait (8 x 64k tokens,
+      // F 2048, H100: 570 -> 537 us).  With high-precision outputs only they
+      // keep their place after the stores (issuing them before the stores
+      // measured 527 -> 533 us).
       const bool second_pass = kFp8 && fp8_dh;
       if (second_pass) late();
       if (args.dh != nullptr) store_tile<IType>(static_cast<IType*>(args.dh), ld, c.ffn + col0, t, dv);
