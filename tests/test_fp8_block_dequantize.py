@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lpmoe
-from conftest import poison_, poison_allocator, requires_cuda
+from conftest import capture_graph, poison_, poison_allocator, requires_cuda
 from lpmoe import Float8BlockQuantizer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -149,16 +149,9 @@ def test_gpu_group_dequantize_columns_staged_graph_replay_new_splits_no_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # warm-up
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
         before = _launches()
-        with torch.cuda.graph(graph):
-            _, y = step()
-        assert _launches()[1] - before[1] == 1
+        graph, (_, y) = capture_graph(step)
+        assert _launches()[1] - before[1] == 2  # the warm-up and the captured call, both staged
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for splits in ([1, 127, 129, 1000], [0, 0, 0, 2000], [700, 700, 0, 1]):
