@@ -91,6 +91,32 @@ def test_gpu_matches_cpu(n, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("n", [31, 32, 33, 65, 300])
+def test_gpu_lane_ranges_capacity_cut_and_odd_aligns(n):
+    """The kernel's warp gives each lane a run of consecutive members: sizes
+    around the run boundaries, a capacity that cuts inside some lane's run,
+    aligns that are not powers of two, negative sizes in both arrays."""
+    g = torch.Generator().manual_seed(1000 + n)
+    s = torch.randint(0, 700, (n,), generator=g, dtype=torch.int64)
+    s[::7] = 0
+    s[n // 3] = -5
+    second = torch.randint(0, 9, (n,), generator=g)
+    second[n // 2] = -1
+    strides, aligns = [1, 3, 1, 1, 1, 1], [1, 1, 3, 96, 128, 1000]
+    ts = [False, False, False, False, False, True]
+    cap = int(s.clamp(min=0).sum()) * 2 // 3
+    cpu = splits_to_offsets(s, strides, aligns, second=second, times_second=ts, capacity_rows=cap)
+    # Poison the block the binding's output will most likely reuse (same
+    # size, freed just before): every entry must be written by the kernel.
+    per_out = (n + 2) // 2 * 2
+    torch.full((per_out * len(strides) + 2,), -7, dtype=torch.int64, device="cuda")
+    gpu = splits_to_offsets(s.cuda(), strides, aligns, second=second.cuda(), times_second=ts, capacity_rows=cap)
+    for a, b in zip(cpu.offsets, gpu.offsets):
+        assert torch.equal(a, b.cpu())
+    assert int(gpu.status) == int(cpu.status) == 3  # a negative size, and above capacity
+
+
+@requires_cuda
 def test_gpu_totals_above_int32_and_status():
     s = torch.tensor([2**30, 2**30, 3], dtype=torch.int32, device="cuda")
     res = splits_to_offsets(s, [7168], [1])
