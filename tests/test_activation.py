@@ -263,6 +263,21 @@ def test_gpu_hp_kernels_bitexact(kind, dtype, with_probs):
 
 
 @requires_cuda
+@pytest.mark.parametrize("f", [512, 640, 1024, 1536, 2048, 2560])
+def test_gpu_probs_gradient_every_partial_count(f):
+    """d probs sums F/128 partials per row left to right: 4, 8, 12, 16 and 20
+    partials take the 16-byte-vector reduction (in batches of 16 and a tail),
+    5 the scalar one; both must give the reference's bits."""
+    rows = 333
+    h = rand_h(rows, 2 * f, torch.bfloat16, seed=f)
+    da = rand_h(rows, f, torch.bfloat16, seed=f + 1)
+    p = torch.rand(rows)
+    res = kernels.backward(da.cuda(), h.cuda(), Activation("swiglu"), p.cuda(), None, dh_hp=True)
+    _, _, rdp = R.activation_backward(da, h, "swiglu", p)
+    assert same_bits(res.dprobs, rdp) == 0
+
+
+@requires_cuda
 @pytest.mark.parametrize("splits,f", GPU_SPLITS)
 @pytest.mark.parametrize("kind", ["swiglu", "gelu", "clamped_swiglu"])
 def test_gpu_fused_forward_fp8_bitexact(monkeypatch, splits, f, kind):

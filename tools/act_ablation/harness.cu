@@ -135,6 +135,20 @@ int main(int argc, char** argv) {
   printf("T=%lld F=%lld G=%d %s copy %.0f GB/s | fwd %.1f us %.3f of copy | bwd %.1f us %.3f of copy\n",
          (long long)T, (long long)F, G, hp ? "hp" : "fp8", copy_gbs, f_ms * 1e3, fwd_bytes / f_ms / 1e6 / copy_gbs,
          b_ms * 1e3, bwd_bytes / b_ms / 1e6 / copy_gbs);
+  // the d probs reduction of the backward's partials (its own launch)
+  float* dprobs = dev<float>(T);
+  activation::ProbsGradArgs pa;
+  pa.partials = partials; pa.rows = T; pa.blocks = fbk; pa.used_rows = offs + G; pa.out = dprobs;
+  // timed as a CUDA graph of 50 launches (the kernel is shorter than a host launch)
+  cudaStream_t ps; CK(cudaStreamCreateWithFlags(&ps, cudaStreamNonBlocking));
+  cudaGraph_t pg; cudaGraphExec_t pge;
+  CK(cudaStreamBeginCapture(ps, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < 50; ++i) CK(activation::launch_probs_grad(pa, ps));
+  CK(cudaStreamEndCapture(ps, &pg)); CK(cudaGraphInstantiate(&pge, pg, 0));
+  const float p_ms = median_ms([&] { CK(cudaGraphLaunch(pge, 0)); }, 3) / 50;
+  CK(cudaDeviceSynchronize());
+  printf("d probs reduce %.2f us (%.3f of copy) hash %016llx\n", p_ms * 1e3,
+         (T * fbk * 4.0 + T * 4.0) / p_ms / 1e6 / copy_gbs, (unsigned long long)hash(dprobs, T * 4));
   if (hp) {
     printf("hash fwd %016llx bwd %016llx partials %016llx\n", (unsigned long long)hash(a_hp, T * F * 2),
            (unsigned long long)hash(dh_hp, T * 4 * F), (unsigned long long)hash(partials, T * fbk * 4));
