@@ -5,6 +5,10 @@ scaling and bf16, by total CUDA time (torch.profiler), with the share of the
 step spent outside the GEMMs.
 
     PYTHONPATH=python:benchmarks python3 tools/profile_mlp_step.py [experts] [tokens] [--cached]
+        [--hidden H] [--ffn F] [--top K]
+
+(--hidden / --ffn: other expert shapes, e.g. the launch-bound 2048 / 768 of
+bench_compile.py; --top: how many kernels to list, 16 by default.)
 """
 import sys
 
@@ -15,6 +19,18 @@ import lpmoe
 from bench_grouped_mlp import FFN, HIDDEN
 from lpmoe.recipe import Float8BlockScaling
 
+def _option(name, default):
+    """--name VALUE from the command line (removed from argv), as an int."""
+    if name in sys.argv:
+        i = sys.argv.index(name)
+        value = int(sys.argv[i + 1])
+        del sys.argv[i:i + 2]
+        return value
+    return default
+
+
+HIDDEN, FFN = _option("--hidden", HIDDEN), _option("--ffn", FFN)
+TOP = _option("--top", 16)
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 cached = "--cached" in sys.argv
 g = int(args[0]) if len(args) > 0 else 8
@@ -59,7 +75,7 @@ for name, recipe in (("fp8", Float8BlockScaling()), ("bf16", None)):
     print(f"== {name}{' cachedW' if fmb is False else ''}: {g} experts x {tokens} tokens, GPU kernel time "
           f"{total:.2f} ms: GEMMs {gemm:.2f} ms, outside the GEMMs {total - gemm:.2f} ms "
           f"({100 * (total - gemm) / total:.1f} %)")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:16]:
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:TOP]:
         tag = "gemm" if is_gemm(e.key) else "    "
         print(f"  {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<3d} {tag} {e.key[:100]}")
     del mlp
