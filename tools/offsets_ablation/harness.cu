@@ -5,7 +5,8 @@
 // CUDA graph, and prints the time per launch and a hash of the outputs
 // (equal hashes: same values).
 //   nvcc -O3 -std=c++20 -arch=sm_90a -I<csrc> harness.cu <csrc>/grouped/splits_to_offsets.cu -o offs
-//   ./offs N [int32]     (N members, random sizes 0..3000, every 5th 0)
+//   ./offs N [int32] [once]   (N members, random sizes 0..3000, every 5th 0;
+//   once: a single untimed launch, for compute-sanitizer)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -20,7 +21,11 @@
 
 int main(int argc, char** argv) {
   const int n = argc > 1 ? atoi(argv[1]) : 8;
-  const bool i32 = argc > 2 && std::string_view(argv[2]) == "int32";
+  bool i32 = false, once = false;  // once: one launch, untimed (compute-sanitizer runs)
+  for (int i = 2; i < argc; ++i) {
+    i32 |= std::string_view(argv[i]) == "int32";
+    once |= std::string_view(argv[i]) == "once";
+  }
   std::vector<int64_t> h(n);
   uint64_t r = 12345;
   for (int i = 0; i < n; ++i) { r = r * 6364136223846793005ull + 1442695040888963407ull; h[i] = i % 5 ? (r >> 33) % 3001 : 0; }
@@ -46,6 +51,13 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   CK(lpmoe::grouped::launch_splits_to_offsets(a, s));
   CK(cudaStreamSynchronize(s));
+  if (once) {
+    std::vector<int64_t> res(outs * (n + 1) + 1);
+    CK(cudaMemcpy(res.data(), out, res.size() * 8, cudaMemcpyDeviceToHost));
+    printf("N=%d once: status %lld, last offsets %lld %lld\n", n, static_cast<long long>(res.back()),
+           static_cast<long long>(res[n]), static_cast<long long>(res[4 * (n + 1) + n]));
+    return 0;
+  }
   cudaGraph_t g;
   cudaGraphExec_t ge;
   const int launches = 200;
