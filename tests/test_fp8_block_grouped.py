@@ -10,6 +10,7 @@ import torch
 import lpmoe
 from conftest import poison_, requires_cuda
 from lpmoe import Float8BlockQuantizer, GroupedTensor
+from lpmoe._ext import ext
 from lpmoe.reference import quantize_fp8_block
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -308,6 +309,48 @@ def test_gpu_quantize_kernel_choice_bitexact_many_tiles_per_cta(in_dtype, block_
     after = _kernel_launches()
     ran = [a - b for a, b in zip(after, before)]
     assert ran[kernel] >= 1 and sum(ran) == ran[kernel], ran
+
+
+def _dbias_reduce_reference(ws: torch.Tensor, splits, lanes: int = 8) -> torch.Tensor:
+    """The reduction's fixed order in fp32: lane l of a member adds its tiles
+    l, l + 8, l + 16, ... in turn, then the 8 lane sums are added in lane
+    order (csrc/fp8_block/quantize.cu, dbias_reduce_kernel)."""
+    out, first = [], 0
+    for m in splits:
+        tiles = -(-m // 128)
+        lane_sums = []
+        for lane in range(lanes):
+            acc = torch.zeros(ws.shape[1], dtype=torch.float32)
+            for i in range(lane, tiles, lanes):
+                acc = acc + ws[first + i]
+            lane_sums.append(acc)
+        total = torch.zeros(ws.shape[1], dtype=torch.float32)
+        for acc in lane_sums:
+            total = total + acc
+        out.append(total)
+        first += tiles
+    return torch.stack(out)
+
+
+@requires_cuda
+def test_gpu_dbias_reduce_order_bitwise():
+    """The per-tile column sums of a quantize call reduced to (members, K) in
+    exactly the documented order: members of 0, 1, 8, 33 and 70 tiles (the
+    loads go four at a time from 25 tiles a lane on, the rest one by one)."""
+    splits = [0, 100, 1024, 33 * 128 - 5, 70 * 128]
+    k = 160
+    rows = sum(splits)
+    g = torch.Generator().manual_seed(7)
+    tiles = sum(-(-m // 128) for m in splits)
+    ws = (torch.randn(tiles, k, generator=g) * torch.exp2(torch.randint(-20, 20, (tiles, k), generator=g))).float()
+    layout = GroupedTensor(num_tensors=len(splits), logical_shape=(rows, k), dtype=torch.bfloat16,
+                           rowwise_data=torch.empty(rows * k, dtype=torch.bfloat16, device="cuda"),
+                           first_dims=torch.tensor(splits, device="cuda"))
+    ref = _dbias_reduce_reference(ws, splits)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = poison_(torch.empty(len(splits), k, dtype=dtype, device="cuda"))
+        ext().fp8_block_dbias_reduce(ws.cuda(), layout.padded_row_offsets, len(splits), rows, out, None)
+        assert torch.equal(out.cpu().view(torch.int8), ref.to(dtype).view(torch.int8))
 
 
 @requires_cuda
