@@ -5,7 +5,7 @@
 // as a ratio to a device copy of the same bytes (same process) and a hash of
 // every output buffer, so two builds are compared for speed and bits:
 //   nvcc -O3 -std=c++20 -arch=sm_90a -DNDEBUG --expt-relaxed-constexpr -prec-div=true -ftz=false \
-//        -I<csrc> harness.cu <csrc>/activation/*.cu -o act
+//        -I<csrc> harness.cu <csrc>/activation/*.cu <csrc>/fp8_block/quantize.cu -o act
 // (add -DLPMOE_ACT_HAS_TABLE_SWITCH for a tree with activation::SigmoidTable)
 //   ./act T F G [hp] [table|notable] [once]   (tokens, ffn, members; hp: bf16
 //   outputs instead of FP8; table / notable force the sigmoid table on / off,
@@ -155,6 +155,20 @@ int main(int argc, char** argv) {
   CK(cudaDeviceSynchronize());
   printf("d probs reduce %.2f us (%.3f of copy) hash %016llx\n", p_ms * 1e3,
          (T * fbk * 4.0 + T * 4.0) / p_ms / 1e6 / copy_gbs, (unsigned long long)hash(dprobs, T * 4));
+  if (!hp) {  // fc1's bias gradient from the backward's per-tile column sums (its own launch)
+    __nv_bfloat16* dbias = dev<__nv_bfloat16>(G * 2 * F);
+    fp8_block::DbiasReduceArgs ra;
+    ra.workspace = bws; ra.group = gr; ra.rows = T; ra.cols = 2 * F; ra.out_dtype = DType::kBFloat16; ra.out = dbias;
+    cudaGraph_t rg; cudaGraphExec_t rge;
+    CK(cudaStreamBeginCapture(ps, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < 50; ++i) CK(fp8_block::launch_dbias_reduce(ra, ps));
+    CK(cudaStreamEndCapture(ps, &rg)); CK(cudaGraphInstantiate(&rge, rg, 0));
+    const float r_ms = g_once ? median_ms([&] { CK(fp8_block::launch_dbias_reduce(ra, 0)); })
+                              : median_ms([&] { CK(cudaGraphLaunch(rge, 0)); }, 3) / 50;
+    CK(cudaDeviceSynchronize());
+    printf("dbias reduce %.2f us (%.3f of copy) hash %016llx\n", r_ms * 1e3,
+           (tiles * 2.0 * F * 4 + G * 4.0 * F) / r_ms / 1e6 / copy_gbs, (unsigned long long)hash(dbias, G * 4 * F));
+  }
   if (hp) {
     printf("hash fwd %016llx bwd %016llx partials %016llx\n", (unsigned long long)hash(a_hp, T * F * 2),
            (unsigned long long)hash(dh_hp, T * 4 * F), (unsigned long long)hash(partials, T * fbk * 4));
