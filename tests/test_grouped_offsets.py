@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import requires_cuda
+from conftest import poison_allocator, requires_cuda
 from lpmoe.grouped_offsets import splits_to_offsets
 
 
@@ -91,11 +91,14 @@ def test_gpu_matches_cpu(n, dtype):
 
 
 @requires_cuda
-@pytest.mark.parametrize("n", [31, 32, 33, 65, 300])
-def test_gpu_lane_ranges_capacity_cut_and_odd_aligns(n):
-    """The kernel's warp gives each lane a run of consecutive members: sizes
-    around the run boundaries, a capacity that cuts inside some lane's run,
-    aligns that are not powers of two, negative sizes in both arrays."""
+@pytest.mark.parametrize("n,cut", [(31, 0.66), (32, 0.66), (33, 0.66), (65, 0.66), (300, 0.66),
+                                   (1025, 0.9), (1537, 0.8), (2100, 0.6)])
+@pytest.mark.parametrize("second_dtype", [torch.int64, torch.int32])
+def test_gpu_warps_chunks_capacity_cut_and_odd_aligns(n, cut, second_dtype):
+    """One warp (31, 32 members), several (33-300), and chunks of 1024 with
+    carries (1025-2100): a capacity that cuts inside the block or in a later
+    chunk, aligns that are not powers of two, negative sizes in both arrays,
+    an int32 second array; the allocator's free blocks poisoned first."""
     g = torch.Generator().manual_seed(1000 + n)
     s = torch.randint(0, 700, (n,), generator=g, dtype=torch.int64)
     s[::7] = 0
@@ -104,16 +107,26 @@ def test_gpu_lane_ranges_capacity_cut_and_odd_aligns(n):
     second[n // 2] = -1
     strides, aligns = [1, 3, 1, 1, 1, 1], [1, 1, 3, 96, 128, 1000]
     ts = [False, False, False, False, False, True]
-    cap = int(s.clamp(min=0).sum()) * 2 // 3
-    cpu = splits_to_offsets(s, strides, aligns, second=second, times_second=ts, capacity_rows=cap)
-    # Poison the block the binding's output will most likely reuse (same
-    # size, freed just before): every entry must be written by the kernel.
-    per_out = (n + 2) // 2 * 2
-    torch.full((per_out * len(strides) + 2,), -7, dtype=torch.int64, device="cuda")
-    gpu = splits_to_offsets(s.cuda(), strides, aligns, second=second.cuda(), times_second=ts, capacity_rows=cap)
+    cap = int(int(s.clamp(min=0).sum()) * cut)
+    cpu = splits_to_offsets(s, strides, aligns, second=second.to(second_dtype), times_second=ts, capacity_rows=cap)
+    s_gpu, second_gpu = s.cuda(), second.to(second_dtype).cuda()
+    poison_allocator()
+    gpu = splits_to_offsets(s_gpu, strides, aligns, second=second_gpu, times_second=ts, capacity_rows=cap)
     for a, b in zip(cpu.offsets, gpu.offsets):
         assert torch.equal(a, b.cpu())
     assert int(gpu.status) == int(cpu.status) == 3  # a negative size, and above capacity
+
+
+@requires_cuda
+def test_gpu_no_members_and_uniform_sizes():
+    poison_allocator()
+    res = splits_to_offsets(torch.zeros(0, dtype=torch.int64, device="cuda"), [5, 1], [1, 128], capacity_rows=0)
+    assert [o.cpu().tolist() for o in res.offsets] == [[0], [0]] and int(res.status) == 0
+    for n in (3, 40, 1030):
+        cpu = splits_to_offsets(None, [7, 1], [1, 64], num_splits=n, uniform_split=100, device="cpu")
+        gpu = splits_to_offsets(None, [7, 1], [1, 64], num_splits=n, uniform_split=100, device="cuda")
+        for a, b in zip(cpu.offsets, gpu.offsets):
+            assert torch.equal(a, b.cpu())
 
 
 @requires_cuda

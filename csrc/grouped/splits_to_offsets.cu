@@ -11,14 +11,15 @@ constexpr int kMaxThreads = 1024;
 constexpr int kMaxWarps = kMaxThreads / kLanes;
 constexpr unsigned kFull = 0xffffffffu;
 
-// One block, one thread per member (chunks of blockDim members with running
-// carries when there are more), and every output scanned in the same pass:
-// warp shuffles, then one shared-memory step across the warps.  The previous
-// kernel ran a 512-thread CUB BlockScan per output in turn (two barriers
-// each): 4.7 us per launch for 8 to 256 members on the H100, 8.5 for 1024;
-// this one 2.6 up to 32 members (one warp, no barrier), 3.4-3.7 up to 256,
-// 6.5 for 1024 (tools/offsets_ablation, graph-replayed launches).  Integer
-// sums: the same values in any order.
+// One block, one thread per member (chunks of blockDim members when there
+// are more, the sums so far carried in by the chunk's first thread), and
+// every output scanned in the same pass: warp shuffles, then one
+// shared-memory step across the warps (none with a single warp).  The
+// previous kernel ran a 512-thread CUB BlockScan per output in turn, each
+// with its own barriers: 4.7 us per launch for 8 to 256 members on the H100,
+// 8.5 for 1024; this one 2.5 up to 32 members, 3.3-3.6 up to 256, 6.5 for
+// 1024 (tools/offsets_ablation, graph-replayed launches).  Integer sums: the
+// same values in any order.
 
 __device__ __forceinline__ int64_t load_size(const void* p, bool is_int64, int i) {
   return is_int64 ? __ldg(static_cast<const int64_t*>(p) + i)
@@ -27,6 +28,8 @@ __device__ __forceinline__ int64_t load_size(const void* p, bool is_int64, int i
 
 // Inclusive sums of v[0..N) over the block's threads, all N scanned together;
 // total[j] = the block's sum.  `ws` is shared scratch of N x kMaxWarps.
+// Every thread of the block must call it (it has barriers unless the block
+// is one warp).
 template <int N>
 __device__ __forceinline__ void block_inclusive_sums(int64_t (&v)[N], int64_t (&total)[N], int64_t (*ws)[kMaxWarps]) {
   const int lane = threadIdx.x % kLanes;
@@ -40,7 +43,7 @@ __device__ __forceinline__ void block_inclusive_sums(int64_t (&v)[N], int64_t (&
       if (lane >= o) v[j] += u;
     }
   }
-  if (warps == 1) {  // up to 32 members: no cross-warp step, no barrier
+  if (warps == 1) {  // up to 32 members: no cross-warp step
 #pragma unroll
     for (int j = 0; j < N; ++j) total[j] = __shfl_sync(kFull, v[j], kLanes - 1);
     return;
@@ -85,6 +88,9 @@ __global__ void __launch_bounds__(kMaxThreads) splits_to_offsets_kernel(const Sp
   __shared__ int negative;
   if (threadIdx.x == 0) negative = 0;
   __syncthreads();
+  // Sums over the members of the chunks done so far (the same in every
+  // thread); thread 0 adds them to its value, so the scans return sums over
+  // all members up to and including each thread's own.
   int64_t raw_carry = 0;
   int64_t carry[kMaxOffsetOutputs] = {};
   for (int base = 0; base < args.num_splits; base += blockDim.x) {
@@ -100,28 +106,26 @@ __global__ void __launch_bounds__(kMaxThreads) splits_to_offsets_kernel(const Sp
     split = split < 0 ? 0 : split;
     second = second < 0 ? 0 : second;
 
-    int64_t raw[1] = {split}, raw_total[1];
-    block_inclusive_sums<1>(raw, raw_total, ws);
+    int64_t end[1] = {threadIdx.x == 0 ? raw_carry + split : split};
+    int64_t raw_total[1];
+    block_inclusive_sums<1>(end, raw_total, ws);  // end[0]: raw rows through member i
+    raw_carry = raw_total[0];
     // Members past the capacity are truncated (the status word reports it),
     // so every derived offset stays inside buffers sized for `capacity_rows`
     // rows and kernels cannot write out of bounds even with inconsistent splits.
     int64_t rows = split;
-    if (args.capacity_rows >= 0) {
-      const int64_t end = raw_carry + raw[0];
-      rows = min(end, args.capacity_rows) - min(end - split, args.capacity_rows);
-    }
-    raw_carry += raw_total[0];
+    if (args.capacity_rows >= 0) rows = min(end[0], args.capacity_rows) - min(end[0] - split, args.capacity_rows);
 
-    int64_t v[kMaxOffsetOutputs], total[kMaxOffsetOutputs];
-#pragma unroll
-    for (int j = 0; j < kMaxOffsetOutputs; ++j)
-      v[j] = j < args.num_outputs ? member_value(args.outputs[j], rows, second) : 0;
-    block_inclusive_sums<kMaxOffsetOutputs>(v, total, ws);
+    int64_t v[kMaxOffsetOutputs];
 #pragma unroll
     for (int j = 0; j < kMaxOffsetOutputs; ++j) {
-      if (j < args.num_outputs && i < args.num_splits) args.outputs[j].out[i + 1] = carry[j] + v[j];
-      carry[j] += total[j];
+      v[j] = j < args.num_outputs ? member_value(args.outputs[j], rows, second) : 0;
+      if (threadIdx.x == 0) v[j] += carry[j];
     }
+    block_inclusive_sums<kMaxOffsetOutputs>(v, carry, ws);  // the new carries are the totals
+#pragma unroll
+    for (int j = 0; j < kMaxOffsetOutputs; ++j)
+      if (j < args.num_outputs && i < args.num_splits) args.outputs[j].out[i + 1] = v[j];
   }
   if (threadIdx.x == 0) {
 #pragma unroll
