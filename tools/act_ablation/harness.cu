@@ -56,6 +56,18 @@ template <typename F> static float median_ms(F fn, int iters = 20, int reps = 9)
   return t[t.size() / 2];
 }
 
+// ms per launch of a short kernel, timed as a CUDA graph of 50 launches (the
+// kernel is shorter than a host launch); one untimed launch with "once".
+template <typename L> static float graph_ms(L launch) {
+  if (g_once) return median_ms([&] { launch(cudaStream_t{}); });
+  cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t g; cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < 50; ++i) launch(st);
+  CK(cudaStreamEndCapture(st, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
+  return median_ms([&] { CK(cudaGraphLaunch(ge, 0)); }, 3) / 50;
+}
+
 int main(int argc, char** argv) {
   const int64_t T = argc > 1 ? atoll(argv[1]) : 65536, F = argc > 2 ? atoll(argv[2]) : 2048;
   const int G = argc > 3 ? atoi(argv[3]) : 8;
@@ -144,14 +156,7 @@ int main(int argc, char** argv) {
   float* dprobs = dev<float>(T);
   activation::ProbsGradArgs pa;
   pa.partials = partials; pa.rows = T; pa.blocks = fbk; pa.used_rows = offs + G; pa.out = dprobs;
-  // timed as a CUDA graph of 50 launches (the kernel is shorter than a host launch)
-  cudaStream_t ps; CK(cudaStreamCreateWithFlags(&ps, cudaStreamNonBlocking));
-  cudaGraph_t pg; cudaGraphExec_t pge;
-  CK(cudaStreamBeginCapture(ps, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < 50; ++i) CK(activation::launch_probs_grad(pa, ps));
-  CK(cudaStreamEndCapture(ps, &pg)); CK(cudaGraphInstantiate(&pge, pg, 0));
-  const float p_ms = g_once ? median_ms([&] { CK(activation::launch_probs_grad(pa, 0)); })
-                            : median_ms([&] { CK(cudaGraphLaunch(pge, 0)); }, 3) / 50;
+  const float p_ms = graph_ms([&](cudaStream_t st) { CK(activation::launch_probs_grad(pa, st)); });
   CK(cudaDeviceSynchronize());
   printf("d probs reduce %.2f us (%.3f of copy) hash %016llx\n", p_ms * 1e3,
          (T * fbk * 4.0 + T * 4.0) / p_ms / 1e6 / copy_gbs, (unsigned long long)hash(dprobs, T * 4));
@@ -159,12 +164,7 @@ int main(int argc, char** argv) {
     __nv_bfloat16* dbias = dev<__nv_bfloat16>(G * 2 * F);
     fp8_block::DbiasReduceArgs ra;
     ra.workspace = bws; ra.group = gr; ra.rows = T; ra.cols = 2 * F; ra.out_dtype = DType::kBFloat16; ra.out = dbias;
-    cudaGraph_t rg; cudaGraphExec_t rge;
-    CK(cudaStreamBeginCapture(ps, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < 50; ++i) CK(fp8_block::launch_dbias_reduce(ra, ps));
-    CK(cudaStreamEndCapture(ps, &rg)); CK(cudaGraphInstantiate(&rge, rg, 0));
-    const float r_ms = g_once ? median_ms([&] { CK(fp8_block::launch_dbias_reduce(ra, 0)); })
-                              : median_ms([&] { CK(cudaGraphLaunch(rge, 0)); }, 3) / 50;
+    const float r_ms = graph_ms([&](cudaStream_t st) { CK(fp8_block::launch_dbias_reduce(ra, st)); });
     CK(cudaDeviceSynchronize());
     printf("dbias reduce %.2f us (%.3f of copy) hash %016llx\n", r_ms * 1e3,
            (tiles * 2.0 * F * 4 + G * 4.0 * F) / r_ms / 1e6 / copy_gbs, (unsigned long long)hash(dbias, G * 4 * F));
