@@ -335,8 +335,8 @@ def _dbias_reduce_reference(ws: torch.Tensor, splits, lanes: int = 8) -> torch.T
 @requires_cuda
 def test_gpu_dbias_reduce_order_bitwise():
     """The per-tile column sums of a quantize call reduced to (members, K) in
-    exactly the documented order: members of 0, 1, 8, 33 and 70 tiles (the
-    loads go four at a time from 25 tiles a lane on, the rest one by one)."""
+    exactly the documented order: members of 0, 1, 8, 33 and 70 tiles (up to
+    9 tiles a lane), fp32 and bf16 outputs."""
     splits = [0, 100, 1024, 33 * 128 - 5, 70 * 128]
     k = 160
     rows = sum(splits)

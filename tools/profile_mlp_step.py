@@ -10,7 +10,7 @@ step spent outside the GEMMs.
 (--hidden / --ffn: other expert shapes, e.g. the launch-bound 2048 / 768 of
 bench_compile.py; --top: how many kernels to list, 16 by default.)
 """
-import sys
+import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,22 +19,15 @@ import lpmoe
 from bench_grouped_mlp import FFN, HIDDEN
 from lpmoe.recipe import Float8BlockScaling
 
-def _option(name, default):
-    """--name VALUE from the command line (removed from argv), as an int."""
-    if name in sys.argv:
-        i = sys.argv.index(name)
-        value = int(sys.argv[i + 1])
-        del sys.argv[i:i + 2]
-        return value
-    return default
-
-
-HIDDEN, FFN = _option("--hidden", HIDDEN), _option("--ffn", FFN)
-TOP = _option("--top", 16)
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
-cached = "--cached" in sys.argv
-g = int(args[0]) if len(args) > 0 else 8
-tokens = int(args[1]) if len(args) > 1 else 65536
+_p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_p.add_argument("experts", type=int, nargs="?", default=8)
+_p.add_argument("tokens", type=int, nargs="?", default=65536)
+_p.add_argument("--cached", action="store_true", help="FP8 weights cached across steps (is_first_microbatch)")
+_p.add_argument("--hidden", type=int, default=HIDDEN)
+_p.add_argument("--ffn", type=int, default=FFN)
+_p.add_argument("--top", type=int, default=16, help="kernels to list")
+_a = _p.parse_args()
+HIDDEN, FFN, TOP, cached, g, tokens = _a.hidden, _a.ffn, _a.top, _a.cached, _a.experts, _a.tokens
 m = torch.tensor([tokens // g] * g, device="cuda")
 x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 p = torch.rand(tokens, device="cuda", requires_grad=True)
