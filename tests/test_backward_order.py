@@ -132,14 +132,14 @@ def test_backward_order_changes_no_bits(recipe, bias, keep, device, monkeypatch)
 
 
 @pytest.mark.parametrize("rows", [1024, 96])
-def test_compiled_three_op_backward_runs_fc1_in_the_eager_order(rows, monkeypatch, request):
+def test_compiled_staged_backward_runs_fc1_in_the_eager_order(rows, monkeypatch, request):
     """The compiled large-layer backward calls fc1's wgrad and dgrad ops in
     the order eager runs the GEMMs (wgrad first with more rows than G*N,
     else dgrad first); aot_eager keeps the program order (Inductor orders
     independent ops by its own peak-memory pass)."""
     import lpmoe.library.mlp_backward_ops as bops
     from lpmoe.library import mlp_ops
-    monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0)  # the three-op form at any size
+    monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0)  # the staged form at any size
     # (no compiled-graph caches: a graph cached under other code would decide the order)
     for cfg, name in ((torch._inductor.config, "fx_graph_cache"), (torch._functorch.config, "enable_autograd_cache")):
         patch = cfg.patch(**{name: False})

@@ -90,11 +90,15 @@ def test_opcheck_routed_grouped_mlp_cpu(sum_to_tokens, keep):
     t, rows = args[0].shape[0], args[-1]
     assert out[0].shape == ((t if sum_to_tokens else rows), args[0].shape[1])
     grad = torch.randn_like(out[0])
-    fc2_args, fc1_args = layer_ops.mlp_backward_args(args, out, grad)
-    opcheck(OPS.grouped_mlp_backward, _detached(fc2_args), test_utils=FP8_LAYER)
-    dh = OPS.grouped_mlp_backward(*fc2_args)[layer_ops.mlp_grad_count(args[8]):]
+    fc2_args, act_args, fc1_args = layer_ops.mlp_backward_args(args, out, grad)
+    for part, a in fc2_args.items():
+        opcheck(OPS.grouped_mlp_backward, _detached(a), test_utils=FP8_LAYER)
+    (da,) = OPS.grouped_mlp_backward(*fc2_args["dgrad"])
+    act = _detached((da,) + act_args)
+    opcheck(OPS.grouped_mlp_backward_act, act, test_utils=FP8_LAYER)
+    dh = OPS.grouped_mlp_backward_act(*act)[1:]  # past d probs (probs need a gradient here)
     for part, rest in fc1_args.items():
-        fc1 = _detached((layer_ops.fc1_dh(dh, fc2_args[7], part),) + rest)
+        fc1 = _detached((layer_ops.fc1_dh(dh, fc2_args["dgrad"][7], part),) + rest)
         opcheck(OPS.grouped_mlp_backward_fc1, fc1, test_utils=FP8_LAYER)
         if part == "dgrad":  # the input gradient is the tokens'
             assert OPS.grouped_mlp_backward_fc1(*fc1)[0].shape == args[0].shape
@@ -144,7 +148,8 @@ def test_compiled_fp8_moe_layer_reads_tokens_through_the_map_cpu(case, split, mo
     and the map: the same bits as eager (output, every gradient) for
     steps with new tokens, two token counts, the gathering quantize ran
     inside the op (fc1's input, and fc2's output gradient in two directions
-    unless fc2's bias gradient needs the rows; once more for fc1's wgrad
+    unless fc2's bias gradient needs the rows, then in the staged backward
+    in the direction whose op does not return it; once more for fc1's wgrad
     with save_original_input), and with save_original_input the op saved the
     tokens, not a copy."""
     monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0 if split else 1 << 60)
@@ -166,7 +171,13 @@ def test_compiled_fp8_moe_layer_reads_tokens_through_the_map_cpu(case, split, mo
         before, ops_before = dict(routed_tokens.CALLS), dict(layer_ops.CALLS)
         got = []
         entries = saved_x_entries(monkeypatch, lambda: got.extend(_step(compiled, x, gy, recipe)))
-        gathers = 1 + (0 if opts.get("bias") else 2) + (keep and not frozen)
+        # fc2's output gradient: both directions from the tokens, or from
+        # rows made once where its bias gradient reads them; split, with
+        # static shapes (the first count; the second recompiles with a
+        # symbolic one, and fc2's GEMMs then share one op), only the first
+        # GEMM's op (which returns the bias gradient) makes the rows
+        fc2_gathers = (1 if split and t == 24 else 0) if opts.get("bias") else 2
+        gathers = 1 + fc2_gathers + (keep and not frozen)
         assert routed_tokens.CALLS["reference_permute_quantize"] - before["reference_permute_quantize"] == gathers
         assert layer_ops.CALLS["grouped_mlp"] - ops_before["grouped_mlp"] == 1
         fc1_ops = (1 if frozen and not opts.get("bias") else 2) if split else 0

@@ -156,11 +156,22 @@ def test_opcheck_grouped_mlp(recipe):
     args = _mlp_args(recipe, bias=recipe is None)
     _check(OPS.grouped_mlp, args, fp8=recipe is not None, layer=True)
     out = OPS.grouped_mlp(*args)
-    fc2_args, fc1_args = layer_ops.backward_args(layer_ops._grouped_mlp, args, out, torch.randn_like(out[0]))
-    _check(OPS.grouped_mlp_backward, _detached(fc2_args), fp8=recipe is not None, layer=True)
-    # the fc1 ops (weight, then input gradients) read the first op's flattened fc1 output gradient
-    dh = OPS.grouped_mlp_backward(*fc2_args)[layer_ops.mlp_grad_count(args[8]):]
-    key = fc2_args[7]
+    fc2_args, act_args, fc1_args = layer_ops.backward_args(layer_ops._grouped_mlp, args, out,
+                                                           torch.randn_like(out[0]))
+    # fc2's GEMMs, one op each (their order: tests/test_backward_order.py)
+    assert sorted(fc2_args) == ["dgrad", "wgrad"]
+    for part, a in fc2_args.items():
+        _check(OPS.grouped_mlp_backward, _detached(a), fp8=recipe is not None, layer=True)
+    w2_out, da_out = (OPS.grouped_mlp_backward(*fc2_args[p]) for p in ("wgrad", "dgrad"))
+    bias = recipe is None  # (bf16 only; the bias gradient comes with the first op, wgrad here)
+    assert [t.shape for t in w2_out] == [(4, 128, 64)] + ([(4, 128)] if bias else [])
+    assert [t.shape for t in da_out] == [(ROWS, 64)]  # fc2's input gradient
+    # the activation op reads da; the fc1 ops (weight, then input gradients)
+    # read the activation op's flattened fc1 output gradient
+    act = _detached((da_out[0],) + act_args)
+    _check(OPS.grouped_mlp_backward_act, act, fp8=recipe is not None, layer=True)
+    dh = OPS.grouped_mlp_backward_act(*act)[1:]  # past d probs
+    key = fc2_args["dgrad"][7]
     assert sorted(fc1_args) == ["dgrad", "wgrad"]
     for part, rest in fc1_args.items():
         _check(OPS.grouped_mlp_backward_fc1, _detached((layer_ops.fc1_dh(dh, key, part),) + rest),

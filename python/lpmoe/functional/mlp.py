@@ -133,7 +133,7 @@ class Dh:
     """fc1's output gradient as the activation backward wrote it: the FP8
     operands of fc1's GEMMs (both directions, with fc1's fused bias
     gradient) or the high-precision dh its policy prepares.  The compiled
-    backward hands it from the fc2 stage's op to the fc1 stage's op."""
+    backward hands it from the activation op to fc1's ops."""
     quantized: Optional[GroupedTensor] = None
     hp: Optional[torch.Tensor] = None
     dbias: Optional[torch.Tensor] = None
@@ -146,46 +146,75 @@ class Dh:
         return Grad(hp=self.hp, dbias=self.dbias)  # (a bias gradient alone: the activation backward fused it)
 
 
-#: the saved objects the fc2 stage reads (the compiled backward of a large
-#: layer runs the stages as separate ops, so each stage's inputs die when
-#: it returns; the fc1 stage reads "x1" and "w1")
-STAGE_FC2 = ("probs", "w2", "h", "x2")
+#: the saved objects the activation stage reads (the compiled backward of
+#: a large layer runs each GEMM and the activation as separate ops, so each
+#: one's inputs die when it returns; fc2's wgrad reads "x2", its dgrad
+#: "w2", fc1's "x1" and "w1"; lpmoe.library.mlp_backward_ops)
+STAGE_ACT = ("probs", "h")
 
 
 def mlp_backward_fc2(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
-    """fc2's backward, then the activation backward: (Dh or None, dprobs,
-    fc2's weight grads, fc2's bias grads).  ``take(name)`` hands the saved
-    objects over one at a time (each can be dropped after its last reader)."""
-    need1, need2, need_probs = cfg.needs
-    pol1, pol2 = cfg.fc1.policy, cfg.fc2.policy
-    probs = take("probs")
-
+    """fc2's backward: (da or None, fc2's weight grads, fc2's bias grads).
+    ``take(name)`` hands the saved objects over one at a time (each can be
+    dropped after its last reader)."""
+    need2 = cfg.needs[1]
+    pol2 = cfg.fc2.policy
     if isinstance(grad_out, GatheredRows):  # fc2's output gradient as rows of the tokens' gradient
         if not pol2.takes_gathered_grad(need2) or not grad_out.can_quantize(pol2.grad_quantizer(need2)):
             grad_out = grad_out.rows()  # this policy reads the rows themselves
     grad2 = pol2.grad(grad_out if isinstance(grad_out, GatheredRows) else grad_out.contiguous(), splits, need2)
-    da, w2_grads, b2_grads = backward_steps(pol2, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
-                                            weights_cached=cfg.weights_cached(cfg.fc2),
-                                            dtype=dtype, main_grads=main_grads)
-    del grad2
+    del grad_out
+    return backward_steps(pol2, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
+                          weights_cached=cfg.weights_cached(cfg.fc2), dtype=dtype, main_grads=main_grads)
 
-    dh, dprobs = None, None
-    h = take("h")
-    if need2.dgrad:
-        # One pass over (da, h): fc1's output gradient in the form fc1's
-        # GEMMs read (with fc1's bias gradient when fused), and d probs.
-        q1 = pol1.grad_quantizer(need1)
-        res = kernels.backward(da, h, cfg.spec, probs, splits.device, dh_hp=need1.any and q1 is None,
-                               dh_quantizer=q1, dbias=need1.dbias and q1 is not None, dprobs=need_probs)
-        del da, h
-        dprobs = res.dprobs
-        if need1.any:
-            dh = Dh(res.dh_quantized, None, res.dbias) if q1 is not None else Dh(None, res.dh, None)
-    return dh, dprobs, w2_grads, b2_grads
+
+def mlp_backward_fc2_part(grad_out, saved, splits: Splits, cfg: MLPConfig, dtype, part: str, with_dbias: bool,
+                          main_grads=None):
+    """One of fc2's GEMMs alone: ``part`` "wgrad" -> (weight grads, bias
+    grads), "dgrad" -> (da, bias grads); ``saved`` is the operand that GEMM
+    reads (x2 or w2).  The bias gradient comes with ``with_dbias``: the part
+    whose dy pass runs first in :func:`mlp_backward_fc2` (the GEMM order of
+    linear_steps.backward_steps), so that pass fuses it as in eager and the
+    bits are eager's."""
+    need2 = cfg.needs[1]
+    pol2 = cfg.fc2.policy
+    need = Needs(dgrad=part == "dgrad" and need2.dgrad, wgrad=part == "wgrad" and need2.wgrad,
+                 dbias=with_dbias and need2.dbias)
+    if isinstance(grad_out, GatheredRows):
+        if not pol2.takes_gathered_grad(need) or not grad_out.can_quantize(pol2.grad_quantizer(need)):
+            grad_out = grad_out.rows()
+    grad2 = pol2.grad(grad_out if isinstance(grad_out, GatheredRows) else grad_out.contiguous(), splits, need)
+    del grad_out
+    if part == "dgrad":
+        out = dgrad_step(pol2, grad2, saved, splits, cfg.fc2.shape) if need.dgrad else None
+    else:
+        tokens = pol2.wgrad_tokens(saved, splits) if need.wgrad else None
+        del saved
+        out = wgrad_step(grad2, tokens, splits, need, dtype=dtype, main_grads=main_grads)
+    return out, bias_step(grad2, splits, need, dtype)
+
+
+def mlp_backward_activation(da: Optional[torch.Tensor], take, splits: Splits, cfg: MLPConfig):
+    """The activation backward from fc2's input gradient: (Dh or None,
+    dprobs).  Call it with the only reference to ``da``: one pass over (da,
+    h) writes fc1's output gradient in the form fc1's GEMMs read (with
+    fc1's bias gradient when fused) and d probs, then both inputs die."""
+    need1, need2, need_probs = cfg.needs
+    probs, h = take("probs"), take("h")
+    if not need2.dgrad:
+        return None, None
+    q1 = cfg.fc1.policy.grad_quantizer(need1)
+    res = kernels.backward(da, h, cfg.spec, probs, splits.device, dh_hp=need1.any and q1 is None,
+                           dh_quantizer=q1, dbias=need1.dbias and q1 is not None, dprobs=need_probs)
+    del da, h
+    dh = None
+    if need1.any:
+        dh = Dh(res.dh_quantized, None, res.dbias) if q1 is not None else Dh(None, res.dh, None)
+    return dh, res.dprobs
 
 
 def mlp_backward_fc1(dh: Optional[Dh], take, splits: Splits, cfg: MLPConfig, dtype, main_grads=None, dx_to=None):
-    """fc1's backward from the fc2 stage's Dh: (dx, weight grads, bias grads)
+    """fc1's backward from the activation stage's Dh: (dx, weight grads, bias grads)
     (``dx_to``: see backward_steps).  Call it with the only reference to
     ``dh`` (no decorator frame either: each FP8 copy of dh must die with the
     GEMM that reads it)."""
@@ -222,11 +251,13 @@ def mlp_backward_fc1_dgrad(dh: Dh, w1, splits: Splits, cfg: MLPConfig) -> torch.
 def mlp_backward_impl(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=(None, None), source=None):
     """Gradients (dx, dprobs, w1, b1, w2, b2 lists or None): both stages;
     with ``source`` (routed tokens' backward view) dx is the tokens'."""
-    first = list(mlp_backward_fc2(grad_out, take, splits, cfg, dtype, main_grads[1]))
-    dprobs, w2_grads, b2_grads = first[1:]
-    # pop: the fc1 stage holds the only reference, so each FP8 copy of dh
-    # dies with the GEMM that reads it
-    dx, w1_grads, b1_grads = mlp_backward_fc1(first.pop(0), take, splits, cfg, dtype, main_grads[0],
+    fc2 = list(mlp_backward_fc2(grad_out, take, splits, cfg, dtype, main_grads[1]))
+    w2_grads, b2_grads = fc2[1:]
+    # pop: the next stage holds the only reference, so da dies with the
+    # activation backward and each FP8 copy of dh with the GEMM that reads it
+    act = list(mlp_backward_activation(fc2.pop(0), take, splits, cfg))
+    dprobs = act[1]
+    dx, w1_grads, b1_grads = mlp_backward_fc1(act.pop(0), take, splits, cfg, dtype, main_grads[0],
                                               source.rows_to_tokens if source is not None else None)
     return dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads
 

@@ -18,8 +18,8 @@ shapes; CPU tensors run the bit-exact reference through the same ops):
 Layers, with autograd registered (``register_autograd``):
 
 * ``grouped_linear`` / ``grouped_linear_backward``
-* ``grouped_mlp`` / ``grouped_mlp_backward`` (fc2 + activation) and
-  ``grouped_mlp_backward_fc1``
+* ``grouped_mlp`` / ``grouped_mlp_backward`` (whole, or one of fc2's GEMMs),
+  ``grouped_mlp_backward_act`` and ``grouped_mlp_backward_fc1``
 
 Why Python ``torch.library.custom_op`` rather than ``TORCH_LIBRARY`` schemas
 in C++: every op needs a Python CPU implementation (the reference) and a
@@ -36,6 +36,7 @@ node (lpmoe.library.grouped_codec).
 OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group_dequantize", "quantize",
             "dequantize", "grouped_gemm",
             "grouped_gemm_out", "activation_forward", "activation_backward", "grouped_linear",
-            "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "grouped_mlp_backward_fc1",
+            "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "grouped_mlp_backward_act",
+            "grouped_mlp_backward_fc1",
             "permute_scatter", "permute_gather", "permute_row_sources", "gather_quantize",
             "router_topk", "router_backward", "routing_map")

@@ -15,7 +15,7 @@ Tensor = torch.Tensor
 
 #: calls of the layer ops' real implementations (tests prove the op ran)
 CALLS = {"grouped_linear": 0, "grouped_linear_backward": 0, "grouped_mlp": 0, "grouped_mlp_backward": 0,
-         "grouped_mlp_backward_fc1": 0}
+         "grouped_mlp_backward_act": 0, "grouped_mlp_backward_fc1": 0}
 
 
 def cache_key(cache: Optional[WeightCache], is_first_microbatch) -> int:

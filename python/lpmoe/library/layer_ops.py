@@ -1,14 +1,15 @@
 """The expert layers as custom ops with autograd, for torch.compile.
 
 ``lpmoe::grouped_linear`` / ``lpmoe::grouped_linear_backward`` and
-``lpmoe::grouped_mlp`` / ``lpmoe::grouped_mlp_backward`` (+
+``lpmoe::grouped_mlp`` / ``lpmoe::grouped_mlp_backward`` (whole, or one
+of fc2's GEMMs, + ``grouped_mlp_backward_act`` and
 ``grouped_mlp_backward_fc1`` for large layers, lpmoe.library.mlp_ops) run
 the same implementation as the eager autograd functions
 (lpmoe.functional.linear / .mlp); ``register_autograd`` connects each
 forward to its backward.  The ops live in lpmoe.library.linear_ops and
 .mlp_ops (shared pieces: .layer_common); this module is their front.  A
 compiled model therefore holds one opaque node per layer and direction
-(three for a large MLP's backward):
+(up to five for a large MLP's backward):
 Dynamo and Inductor never trace lpmoe's Python, and the kernels, recipes
 and routing behave exactly as in eager mode (bitwise).
 
@@ -31,8 +32,8 @@ from __future__ import annotations
 
 from lpmoe.library.layer_common import CALLS  # noqa: F401  (tests read the counters here)
 from lpmoe.library.linear_ops import _grouped_linear, linear_backward_args, linear_op_args  # noqa: F401
-from lpmoe.library.mlp_ops import (_grouped_mlp, fc1_dh, mlp_backward_args, mlp_grad_count,  # noqa: F401
-                                   mlp_op_args, whole_backward_args)
+from lpmoe.library.mlp_ops import (_grouped_mlp, fc1_dh, mlp_backward_args, mlp_op_args,  # noqa: F401
+                                   whole_backward_args)
 
 
 def backward_args(op, fwd_args: tuple, fwd_out, grad) -> tuple:

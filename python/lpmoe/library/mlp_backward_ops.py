@@ -1,9 +1,11 @@
 """The backward ops of ``lpmoe::grouped_mlp`` (lpmoe.library.mlp_ops
 sequences them):
 
-* ``lpmoe::grouped_mlp_backward``: the whole backward (``whole``, small
-  layers), or fc2's backward and the activation's, returning fc1's output
-  gradient flattened for the fc1 ops;
+* ``lpmoe::grouped_mlp_backward``: the whole backward (``part`` "whole",
+  small layers), or one of fc2's GEMMs (``part`` "wgrad" or "dgrad"; the
+  dgrad returns fc2's input gradient da), or both ("gemms": dynamic shapes);
+* ``lpmoe::grouped_mlp_backward_act``: the activation backward from da,
+  returning d probs and fc1's output gradient flattened for the fc1 ops;
 * ``lpmoe::grouped_mlp_backward_fc1``: fc1's weight (and bias) gradients,
   or its input gradient (``part``).
 
@@ -16,11 +18,12 @@ to the tokens; the map and its inverse come from the saved ROUTE objects.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from lpmoe.functional import mlp
+from lpmoe.functional.linear_steps import dgrad_first_by_size
 from lpmoe.grouped_tensor import sharing_offsets
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import mlp_route, saved_layout, specs
@@ -28,20 +31,68 @@ from lpmoe.library.grouped_codec import symbolic_sizes
 from lpmoe.library.layer_common import CALLS, needs_of_list, op_splits
 from lpmoe.library.mlp_config import SAVED, mlp_config, wgrad_out
 
-__all__ = ["STAGE_FC2", "SAVED_FOR", "fc1_dh", "mlp_grad_count", "grouped_mlp_backward", "grouped_mlp_backward_fc1",
-           "fc2_run", "fc1_run"]
+__all__ = ["STAGE_ACT", "SAVED_FOR", "SAVED_FOR_FC2", "fc1_dh", "fc2_parts", "fc2_outputs", "dgrad_first_of",
+           "grouped_mlp_backward",
+           "grouped_mlp_backward_act", "grouped_mlp_backward_fc1", "fc2_run", "act_run", "fc1_run"]
 
 Tensor = torch.Tensor
 
-# The three-op backward (lpmoe.library.mlp_ops; one op holding everything
-# peaked 0.75-1 GiB above eager at DeepSeek-V3 shapes, 8 x 64k tokens): the
-# first op returns fc1's output gradient flattened under the key + "|dh" as
-# four objects, so each fc1 op receives only its direction.  Every stage
-# also reads the routing (none without it).
+# The staged backward (lpmoe.library.mlp_ops): each GEMM and the
+# activation backward in its own op, so each op's saved operands die when it
+# returns, as eager frees them after their last reader (one op holding
+# everything peaked 0.75-1 GiB above eager at DeepSeek-V3 shapes, 8 x 64k
+# tokens; fc2's GEMMs and the activation in one op still held fc2's copies
+# through the activation backward).  The activation op returns fc1's output
+# gradient flattened under the key + "|dh" as four objects, so each fc1 op
+# receives only its direction.  The GEMM ops also read the routing.
 _ROUTE = tuple(SAVED.index(n) for n in mlp_route.ROUTE)
-#: saved objects (indices into SAVED) each stage reads
-STAGE_FC2 = tuple(SAVED.index(n) for n in mlp.STAGE_FC2) + _ROUTE
+#: saved objects (indices into SAVED) each op reads
+STAGE_ACT = tuple(SAVED.index(n) for n in mlp.STAGE_ACT)
 SAVED_FOR = {"wgrad": (SAVED.index("x1"),) + _ROUTE, "dgrad": (SAVED.index("w1"),) + _ROUTE}
+SAVED_FOR_FC2 = {"wgrad": (SAVED.index("x2"),) + _ROUTE, "dgrad": (SAVED.index("w2"),) + _ROUTE,
+                 "gemms": (SAVED.index("w2"), SAVED.index("x2")) + _ROUTE}
+
+
+def _order_flags(c: dict, key: str, layer: str) -> Tuple[bool, bool]:
+    """(the backward frees a weight copy, not a cache's; the weight gradient
+    goes into main_grad): what besides the row count decides the order."""
+    w = saved_layout.LAYOUTS[key][SAVED.index("w1" if layer == "fc1" else "w2")]
+    cached = c[layer]["cache"] >= 0  # (layer_common.cache_key: a key only for a cache in use)
+    return w[0] == "g" and not cached, c[layer]["fuse"] is not None
+
+
+def dgrad_first_of(c: dict, key: str, rows, layer: str) -> bool:
+    """Whether eager runs ``layer``'s dgrad before its wgrad
+    (lpmoe.functional.linear_steps.dgrad_first), from the op configuration
+    and the saved layout."""
+    return dgrad_first_by_size(rows, tuple(c[layer]["shape"]), *_order_flags(c, key, layer))
+
+
+def fc2_parts(c: dict, key: str, rows) -> list:
+    """fc2's GEMM ops in the order eager runs them (linear_steps.backward_steps);
+    the first one also returns the bias gradient, fused into its dy pass as
+    in eager.  A bias gradient without either GEMM is a "wgrad" op alone.
+    Where the order depends on the row count (dgrad first frees a weight
+    copy) and that count is symbolic (a trace with dynamic shapes), it is
+    known only at run time, and with it the pass that fuses the bias
+    gradient: both GEMMs then run in one op ("gemms"), in eager's order."""
+    need2 = needs_of_list(c["needs"][1])
+    frees_copy, into_main_grad = _order_flags(c, key, "fc2")
+    if need2.dgrad and need2.wgrad and not isinstance(rows, int) and frees_copy and not into_main_grad:
+        return ["gemms"]
+    order = ("dgrad", "wgrad") if need2.dgrad and need2.wgrad and dgrad_first_of(c, key, rows, "fc2") else \
+        ("wgrad", "dgrad")
+    parts = [p for p in order if (need2.dgrad if p == "dgrad" else need2.wgrad)]
+    return parts or (["wgrad"] if need2.dbias else [])
+
+
+def fc2_outputs(c: dict, key: str, rows, part: str) -> Tuple[bool, bool, bool]:
+    """Which of (fc2's weight grads, its bias grads, da) the fc2 op ``part``
+    returns, in this order."""
+    need2 = needs_of_list(c["needs"][1])
+    return (part != "dgrad" and wgrad_out(c, need2, "fc2"),
+            need2.dbias and (part == "gemms" or fc2_parts(c, key, rows)[0] == part),
+            part != "wgrad" and need2.dgrad)
 _DH_FOR = {"wgrad": (0, 2, 3), "dgrad": (1, 2)}  # of (wgrad operand, dgrad operand, hp, fused dbias)
 
 
@@ -91,31 +142,61 @@ def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
     return out + ([w2g] if wgrad2 else []) + ([b2g] if need2.dbias else [])
 
 
-def fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, whole, rows, fake):
-    """``lpmoe::grouped_mlp_backward``'s implementation (and fake)."""
+def fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, part, rows, fake):
+    """``lpmoe::grouped_mlp_backward``'s implementation (and fake): the
+    whole backward (``part`` "whole"), or fc2's GEMMs of :func:`fc2_parts`:
+    [w2 grads] [b2 grads] [da] as :func:`fc2_outputs` says."""
     c = specs.parse(config)
     cfg = mlp_config(c, fake)
     if not fake:
         CALLS["grouped_mlp_backward"] += 1
-    if whole:
+    if part == "whole":
         return _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
     dtype = specs.dtype_from_name(c["dtype"])
-    need1, need2, need_probs = cfg.needs
-    main2 = None if fake else fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"])
-    objs = dict(zip([SAVED[i] for i in STAGE_FC2], saved_layout.rebuild(key, saved, 0, rows, STAGE_FC2)))
+    has_w, has_b, has_da = fc2_outputs(c, key, rows, part)
+    main2 = None if fake or part == "dgrad" else fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"])
+    objs = dict(zip([SAVED[i] for i in SAVED_FOR_FC2[part]],
+                    saved_layout.rebuild(key, saved, 0, rows, SAVED_FOR_FC2[part])))
+    del saved
     back = _route_of(objs, m_splits, rows)
     splits = op_splits(m_splits, host, c["num"], rows, grad.device, fake)
     with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
-        dh, dprobs, w2g, b2g = mlp.mlp_backward_fc2(_grad_in(grad, back, c), objs.pop, splits, cfg, dtype, main2)
-        del back
+        if part == "gemms":
+            da, w2g, b2g = mlp.mlp_backward_fc2(_grad_in(grad, back, c), objs.pop, splits, cfg, dtype, main2)
+        else:
+            (saved_obj,) = objs.values()
+            del objs
+            out, b2g = mlp.mlp_backward_fc2_part(_grad_in(grad, back, c), saved_obj, splits, cfg, dtype, part,
+                                                 has_b, main2)
+            da, w2g = (out, None) if part == "dgrad" else (None, out)
+    return ([w2g] if has_w else []) + ([b2g] if has_b else []) + ([da] if has_da else [])
+
+
+def act_run(da, saved, m_splits, host, config, key, rows, fake):
+    """``lpmoe::grouped_mlp_backward_act``'s implementation (and fake):
+    [dprobs] + fc1's output gradient flattened under key + "|dh"."""
+    c = specs.parse(config)
+    cfg = mlp_config(c, fake)
+    if not fake:
+        CALLS["grouped_mlp_backward_act"] += 1
+    need1, _, need_probs = cfg.needs
+    objs = dict(zip([SAVED[i] for i in STAGE_ACT], saved_layout.rebuild(key, saved, 0, rows, STAGE_ACT)))
+    # (m_splits too: dh's group holds the device splits as its first_dims,
+    # and an op may not return its input; fc2's op got it among the saved
+    # tensors, its operands' first_dims, so it was cloned there as well)
+    foreign = [da, m_splits, *saved]
+    del saved
+    splits = op_splits(m_splits, host, c["num"], rows, da.device, fake)
+    with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
+        dh, dprobs = mlp.mlp_backward_activation(da, objs.pop, splits, cfg)
         q = dh.quantized if dh is not None else None
         dh_objs = (None, None, None, None) if dh is None else (
             q.direction_view(columnwise=True) if q is not None and need1.wgrad else None,
             q.direction_view(columnwise=False) if q is not None and need1.dgrad else None, dh.hp, dh.dbias)
         del dh, q
-        dh_flat = saved_layout.flatten(key + "|dh", dh_objs, {}, fake, rows, foreign=[grad, *saved])
-    out = ([dprobs] if need_probs else []) + ([w2g] if wgrad_out(c, need2, "fc2") else [])
-    return out + ([b2g] if need2.dbias else []) + dh_flat
+        dh_flat = saved_layout.flatten(key + "|dh", dh_objs, {}, fake, rows, foreign=foreign)
+        del foreign
+    return ([dprobs] if need_probs else []) + dh_flat
 
 
 def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fake):
@@ -160,13 +241,24 @@ def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fak
 @torch.library.custom_op("lpmoe::grouped_mlp_backward", mutates_args=())
 def grouped_mlp_backward(grad: Tensor, saved: List[Tensor], m_splits: Optional[Tensor],
                          host_splits: Optional[List[int]], fused1: List[Tensor], fused2: List[Tensor], config: str,
-                         key: str, whole: bool, rows: int) -> List[Tensor]:
-    return fc2_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole, rows, False)
+                         key: str, part: str, rows: int) -> List[Tensor]:
+    return fc2_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, part, rows, False)
 
 
 @grouped_mlp_backward.register_fake
-def _(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole, rows):
-    return fc2_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, whole, rows, True)
+def _(grad, saved, m_splits, host_splits, fused1, fused2, config, key, part, rows):
+    return fc2_run(grad, saved, m_splits, host_splits, fused1, fused2, config, key, part, rows, True)
+
+
+@torch.library.custom_op("lpmoe::grouped_mlp_backward_act", mutates_args=())
+def grouped_mlp_backward_act(da: Tensor, saved: List[Tensor], m_splits: Optional[Tensor],
+                             host_splits: Optional[List[int]], config: str, key: str, rows: int) -> List[Tensor]:
+    return act_run(da, saved, m_splits, host_splits, config, key, rows, False)
+
+
+@grouped_mlp_backward_act.register_fake
+def _(da, saved, m_splits, host_splits, config, key, rows):
+    return act_run(da, saved, m_splits, host_splits, config, key, rows, True)
 
 
 @torch.library.custom_op("lpmoe::grouped_mlp_backward_fc1", mutates_args=())
@@ -185,13 +277,6 @@ fused_mg.register_side_effects(grouped_mlp_backward, grouped_mlp_backward_fc1)
 
 
 def fc1_dh(dh_flat: List[Tensor], key: str, part: str) -> List[Tensor]:
-    """The first argument of the fc1 op ``part`` from the first op's dh outputs."""
+    """The first argument of the fc1 op ``part`` from the activation op's
+    dh outputs (its outputs past d probs)."""
     return [dh_flat[i] for i in saved_layout.stage_slots(key + "|dh", _DH_FOR[part])]
-
-
-def mlp_grad_count(config: str) -> int:
-    """How many gradients lead the MLP's first backward op's outputs (the
-    flattened fc1 output gradient follows them)."""
-    c = specs.parse(config)
-    need2 = needs_of_list(c["needs"][1])
-    return int(c["needs"][2]) + int(wgrad_out(c, need2, "fc2")) + int(need2.dbias)

@@ -40,5 +40,5 @@ def wgrad_out(c: dict, need: Needs, layer: str) -> bool:
 
 
 def fc1_parts(need1: Needs) -> Tuple[str, ...]:
-    """The fc1 backward ops a three-op backward runs, in order."""
+    """The fc1 backward ops a staged backward runs, in order."""
     return (("wgrad",) if need1.wgrad or need1.dbias else ()) + (("dgrad",) if need1.dgrad else ())

@@ -4,13 +4,15 @@ backward ops live in lpmoe.library.mlp_backward_ops, and routed tokens
 (lpmoe.moe.RoutedTokens) cross the op boundary as lpmoe.library.mlp_route
 describes.
 
-The backward of a large layer runs as three ops, (1) fc2 + the activation,
-(2) fc1's weight (and bias) gradients, (3) fc1's input gradient, each given
-only the saved tensors it reads (saved_layout.stage_slots): a compiled
-graph holds an op's inputs until the op returns, so h and fc2's copies die
-before fc1's GEMMs allocate, and x's and dh's transposed copies before
-fc1's dgrad, as in eager.  A small layer runs it as one op (the two extra
-op calls cost host time that would dominate a launch-bound step)."""
+The backward of a large layer runs as up to five ops, each GEMM and the
+activation backward in its own: fc2's wgrad and dgrad (in eager's order,
+linear_steps.backward_steps), the activation backward, fc1's weight (and
+bias) gradients and its input gradient, each given only the saved tensors
+it reads (saved_layout.stage_slots).  A compiled graph holds an op's inputs
+until the op returns, so with one op per GEMM every saved copy dies after
+its last reader, as in eager (with dynamic shapes fc2's GEMMs may share one
+op, mlp_backward_ops.fc2_parts).  A small layer runs it as one op (the
+extra op calls cost host time that would dominate a launch-bound step)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -26,10 +28,10 @@ from lpmoe.library import mlp_route, saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
 from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_splits, setup_context_of,
                                          signature)
-from lpmoe.library.mlp_backward_ops import (SAVED_FOR, STAGE_FC2, fc1_dh, fc1_run, fc2_run, grouped_mlp_backward,
-                                            grouped_mlp_backward_fc1, mlp_grad_count)
-from lpmoe.functional.linear_steps import dgrad_first_by_size
-from lpmoe.library.mlp_config import SAVED, fc1_parts, mlp_config
+from lpmoe.library.mlp_backward_ops import (SAVED_FOR, SAVED_FOR_FC2, STAGE_ACT, act_run, dgrad_first_of, fc1_dh,
+                                            fc1_run, fc2_outputs, fc2_parts, fc2_run, grouped_mlp_backward,
+                                            grouped_mlp_backward_act, grouped_mlp_backward_fc1)
+from lpmoe.library.mlp_config import fc1_parts, mlp_config
 from lpmoe.library.routing import OPS, tracing
 
 Tensor = torch.Tensor
@@ -95,20 +97,35 @@ def mlp_backward_stages(grad, saved, m_splits, host, fused1, fused2, config: str
     """The backward ops in order (or their implementations, when not
     tracing): [dx] [dprobs] [w1 grads] [b1 grads] [w2 grads] [b2 grads], each
     present when the configuration asks for it.  ``rows``: the grouped rows."""
-    need1 = needs_of_list(specs.parse(config)["needs"][0])
+    c = specs.parse(config)
+    need1 = needs_of_list(c["needs"][0])
     op = tracing()
     args = (grad, saved, m_splits, host, fused1, fused2, config, key, rows)
     del saved, grad
     if not split_backward(config, rows):
         args = _whole_args(*args)
         return grouped_mlp_backward(*args) if op else fc2_run(*args, False)
-    fc2_args, parts = _split_args(*args)
+    fc2, act_args, parts = _split_args(*args)
     del args
-    res = grouped_mlp_backward(*fc2_args) if op else fc2_run(*fc2_args, False)
-    del fc2_args
-    n2 = mlp_grad_count(config)
-    fc2_part, dh_flat = res[:n2], res[n2:]
-    del res
+    w2g, b2g, da = [], [], []
+    for part in fc2_parts(c, key, rows):
+        part_args = fc2.pop(part)  # (a direct call then drops this GEMM's operands when it returns)
+        res = grouped_mlp_backward(*part_args) if op else fc2_run(*part_args, False)
+        del part_args
+        has_w, has_b, has_da = fc2_outputs(c, key, rows, part)
+        da += [res.pop()] if has_da else []
+        b2g += [res.pop()] if has_b else []
+        w2g += [res.pop()] if has_w else []
+        del res
+    del fc2
+    act_out = []
+    if da:  # fc2's input gradient: the activation backward runs
+        act_args = (da.pop(),) + act_args
+        act_out = grouped_mlp_backward_act(*act_args) if op else act_run(*act_args, False)
+    del da, act_args
+    n_probs = int(c["needs"][2])
+    dprobs, dh_flat = act_out[:n_probs], act_out[n_probs:]
+    del act_out
     out = {}
     if need1.any and dh_flat:
         for part in _fc1_order(config, key, rows, parts):
@@ -116,8 +133,7 @@ def mlp_backward_stages(grad, saved, m_splits, host, fused1, fused2, config: str
             out[part] = grouped_mlp_backward_fc1(dh, *parts[part]) if op else fc1_run(dh, *parts[part], False)
             del dh
     del dh_flat, parts
-    n_probs = int(specs.parse(config)["needs"][2])
-    return out.get("dgrad", []) + fc2_part[:n_probs] + out.get("wgrad", []) + fc2_part[n_probs:]
+    return out.get("dgrad", []) + dprobs + out.get("wgrad", []) + w2g + b2g
 
 
 def _fc1_order(config: str, key: str, rows, parts) -> list:
@@ -125,23 +141,19 @@ def _fc1_order(config: str, key: str, rows, parts) -> list:
     (lpmoe.functional.linear_steps.dgrad_first).  Backends that keep the
     program order follow it; Inductor orders independent ops by its own
     peak-memory pass (it chose the same order on the shapes tried)."""
-    c = specs.parse(config)
-    w1 = saved_layout.LAYOUTS[key][SAVED.index("w1")]
-    cached = c["fc1"]["cache"] >= 0  # (layer_common.cache_key: a key only for a cache in use)
-    first = dgrad_first_by_size(rows, tuple(c["fc1"]["shape"]), w1[0] == "g" and not cached,
-                                c["fc1"]["fuse"] is not None)
+    first = dgrad_first_of(specs.parse(config), key, rows, "fc1")
     return sorted(parts, key=lambda p: p != ("dgrad" if first else "wgrad"))
 
 
-#: h's bytes from which the MLP backward runs as three ops: below, the
-#: memory an op boundary would free is small and the two extra op calls'
+#: h's bytes from which the MLP backward runs in stages: below, the
+#: memory an op boundary would free is small and the extra op calls'
 #: host time (0.24-0.33 ms each, tools/probe_compiled_mlp.py host, H200 machine)
 #: would dominate a launch-bound step
 SPLIT_BACKWARD_BYTES = 64 << 20
 
 
 def split_backward(config: str, rows) -> bool:
-    """Whether the compiled MLP backward runs in three ops (large layers) or one."""
+    """Whether the compiled MLP backward runs in stages (large layers) or one op."""
     c = specs.parse(config)
     w = c["fc1"]["shape"][1]
     return bool(rows * w * specs.dtype_from_name(c["dtype"]).itemsize >= SPLIT_BACKWARD_BYTES)
@@ -149,19 +161,23 @@ def split_backward(config: str, rows) -> bool:
 
 def _whole_args(grad, saved, m_splits, host, fused1, fused2, config: str, key: str, rows) -> tuple:
     """Arguments of the backward op in its one-op form (small layers)."""
-    return (grad, saved, m_splits, host, fused1, fused2, config, key, True, rows)
+    return (grad, saved, m_splits, host, fused1, fused2, config, key, "whole", rows)
 
 
 def _split_args(grad, saved, m_splits, host, fused1, fused2, config: str, key: str, rows):
-    """(the first op's arguments, {fc1 part: that op's arguments but its
-    first}) of the three-op form: each op gets only the saved tensors it reads."""
-    fc2 = (grad, [saved[i] for i in saved_layout.stage_slots(key, STAGE_FC2)], m_splits, host, [], fused2, config,
-           key, False, rows)
-    need1 = needs_of_list(specs.parse(config)["needs"][0])
+    """({fc2 part: that op's arguments}, the activation op's arguments but
+    its first, {fc1 part: that op's arguments but its first}) of the staged
+    form: each op gets only the saved tensors it reads."""
+    c = specs.parse(config)
+    fc2 = {part: (grad, [saved[i] for i in saved_layout.stage_slots(key, SAVED_FOR_FC2[part])], m_splits, host, [],
+                  fused2 if part != "dgrad" else [], config, key, part, rows)
+           for part in fc2_parts(c, key, rows)}
+    act = ([saved[i] for i in saved_layout.stage_slots(key, STAGE_ACT)], m_splits, host, config, key, rows)
+    need1 = needs_of_list(c["needs"][0])
     parts = {part: ([saved[i] for i in saved_layout.stage_slots(key, SAVED_FOR[part])], m_splits, host,
                     fused1 if part == "wgrad" else [], config, key, rows, part)
              for part in fc1_parts(need1)}
-    return fc2, parts
+    return fc2, act, parts
 
 
 def _saved_of(ctx):
@@ -239,11 +255,12 @@ OPS["grouped_mlp"] = grouped_mlp
 
 
 def mlp_backward_args(fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
-    """(the first backward op's arguments in its three-op form, {fc1 part:
-    that op's arguments without its first}) after a forward with
-    ``fwd_args`` returned ``fwd_out`` (tests, opcheck); the fc1 ops' first
-    argument is :func:`fc1_dh` of the first op's outputs past its
-    :func:`mlp_grad_count` gradients."""
+    """({fc2 part: that op's arguments}, the activation op's arguments
+    without its first, {fc1 part: that op's arguments without its first})
+    of the staged form after a forward with ``fwd_args`` returned
+    ``fwd_out`` (tests, opcheck).  The activation op's first argument is
+    the last output of fc2's "dgrad" op (da); the fc1 ops' first is
+    :func:`fc1_dh` of the activation op's outputs past d probs."""
     return _split_args(grad, *_saved_args(fwd_args, fwd_out))
 
 

@@ -49,8 +49,10 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "stage_slots", "LAYOUTS", "CA
 #: as two ops, fc2 + activation, then fc1; 6: a saved FP8 weight keeps its
 #: rowwise scales beside the transposed copy, and token-row groups of
 #: another width carry derived element offsets instead of views; 7: the MLP
-#: op saves the map of routed tokens, and fc1 may keep its input).
-FORMAT = 7
+#: op saves the map of routed tokens, and fc1 may keep its input; 8: a
+#: large MLP's backward runs each of fc2's GEMMs and the activation as its
+#: own op, and the backward op takes a part name instead of ``whole``).
+FORMAT = 8
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}
