@@ -1,5 +1,5 @@
 """A compiled GroupedMLP step beside eager, and the compiled backward in
-one op beside three (lpmoe.library.mlp_ops.SPLIT_BACKWARD_BYTES forced).
+one op beside the staged ops (lpmoe.library.mlp_ops.SPLIT_BACKWARD_BYTES forced).
 
     python tools/probe_compiled_mlp.py memory [--experts 8 --tokens 65536 --hidden 7168 --ffn 2048]
     python tools/probe_compiled_mlp.py host [--fp8] [same shape options]
@@ -110,7 +110,7 @@ def host(case: Case, fp8: bool, repeats: int = 5, profile: bool = True, eager_on
         if profile:
             _lpmoe_own_time(step)
         return
-    for name, threshold in (("one op", 1 << 62), ("three ops", 0)):
+    for name, threshold in (("one op", 1 << 62), ("staged ops", 0)):
         mlp_ops.SPLIT_BACKWARD_BYTES = threshold
         torch._dynamo.reset()
         step, _ = case.step_fn(recipe, True)

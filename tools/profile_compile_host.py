@@ -9,8 +9,8 @@ start), split into forward and backward, and the time spent inside lpmoe's
 own functions is summed per step:
 
   mlp_forward_impl / mlp_backward_impl   the layer's work (both modes)
-  _mlp_forward / _mlp_backward_*_run     the layer op's implementation
-                                         (compile: impl + saved-layout work)
+  _mlp_forward / fc2_run, act_run,       the layer ops' implementations
+  fc1_run                                (compile: impl + saved-layout work)
   flatten / rebuild                      saved tensors across the op boundary
   check_recipe                           the op's run-time checks
 
@@ -29,7 +29,7 @@ import torch
 
 import lpmoe
 from lpmoe.functional import mlp as fmlp
-from lpmoe.library import mlp_ops, saved_layout
+from lpmoe.library import mlp_backward_ops, mlp_ops, saved_layout
 from lpmoe.recipe import Float8BlockScaling
 
 ACC: dict = collections.defaultdict(float)
@@ -93,7 +93,8 @@ def main():
                    help="also run N steps of each mode under cProfile and print the top functions by own time")
     a = p.parse_args()
     for module, name in ((fmlp, "mlp_forward_impl"), (fmlp, "mlp_backward_impl"), (mlp_ops, "_mlp_forward"),
-                         (mlp_ops, "_mlp_backward_fc2_run"), (mlp_ops, "_mlp_backward_fc1_run"),
+                         (mlp_backward_ops, "fc2_run"), (mlp_backward_ops, "act_run"),
+                         (mlp_backward_ops, "fc1_run"),
                          (saved_layout, "flatten"), (saved_layout, "rebuild"), (mlp_ops, "check_recipe")):
         _wrap(module, name)
     x, splits = launch_bound_inputs(a)
