@@ -172,10 +172,10 @@ def mlp_backward_fc2_part(grad_out, saved, splits: Splits, cfg: MLPConfig, dtype
                           main_grads=None):
     """One of fc2's GEMMs alone: ``part`` "wgrad" -> (weight grads, bias
     grads), "dgrad" -> (da, bias grads); ``saved`` is the operand that GEMM
-    reads (x2 or w2).  The bias gradient comes with ``with_dbias``: the part
-    whose dy pass runs first in :func:`mlp_backward_fc2` (the GEMM order of
-    linear_steps.backward_steps), so that pass fuses it as in eager and the
-    bits are eager's."""
+    reads (x2 or w2).  The bias gradient comes with ``with_dbias``, fused
+    into this GEMM's dy pass as eager fuses it into its first pass (the bits
+    do not depend on the pass's direction; lpmoe.library.mlp_backward_ops
+    says which op takes it)."""
     need2 = cfg.needs[1]
     pol2 = cfg.fc2.policy
     need = Needs(dgrad=part == "dgrad" and need2.dgrad, wgrad=part == "wgrad" and need2.wgrad,

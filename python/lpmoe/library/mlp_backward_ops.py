@@ -3,7 +3,7 @@ sequences them):
 
 * ``lpmoe::grouped_mlp_backward``: the whole backward (``part`` "whole",
   small layers), or one of fc2's GEMMs (``part`` "wgrad" or "dgrad"; the
-  dgrad returns fc2's input gradient da), or both ("gemms": dynamic shapes);
+  dgrad returns fc2's input gradient da);
 * ``lpmoe::grouped_mlp_backward_act``: the activation backward from da,
   returning d probs and fc1's output gradient flattened for the fc1 ops;
 * ``lpmoe::grouped_mlp_backward_fc1``: fc1's weight (and bias) gradients,
@@ -49,50 +49,49 @@ _ROUTE = tuple(SAVED.index(n) for n in mlp_route.ROUTE)
 #: saved objects (indices into SAVED) each op reads
 STAGE_ACT = tuple(SAVED.index(n) for n in mlp.STAGE_ACT)
 SAVED_FOR = {"wgrad": (SAVED.index("x1"),) + _ROUTE, "dgrad": (SAVED.index("w1"),) + _ROUTE}
-SAVED_FOR_FC2 = {"wgrad": (SAVED.index("x2"),) + _ROUTE, "dgrad": (SAVED.index("w2"),) + _ROUTE,
-                 "gemms": (SAVED.index("w2"), SAVED.index("x2")) + _ROUTE}
-
-
-def _order_flags(c: dict, key: str, layer: str) -> Tuple[bool, bool]:
-    """(the backward frees a weight copy, not a cache's; the weight gradient
-    goes into main_grad): what besides the row count decides the order."""
-    w = saved_layout.LAYOUTS[key][SAVED.index("w1" if layer == "fc1" else "w2")]
-    cached = c[layer]["cache"] >= 0  # (layer_common.cache_key: a key only for a cache in use)
-    return w[0] == "g" and not cached, c[layer]["fuse"] is not None
+SAVED_FOR_FC2 = {"wgrad": (SAVED.index("x2"),) + _ROUTE, "dgrad": (SAVED.index("w2"),) + _ROUTE}
 
 
 def dgrad_first_of(c: dict, key: str, rows, layer: str) -> bool:
     """Whether eager runs ``layer``'s dgrad before its wgrad
     (lpmoe.functional.linear_steps.dgrad_first), from the op configuration
-    and the saved layout."""
-    return dgrad_first_by_size(rows, tuple(c[layer]["shape"]), *_order_flags(c, key, layer))
+    and the saved layout (a weight copy the backward frees, not a cache's)."""
+    w = saved_layout.LAYOUTS[key][SAVED.index("w1" if layer == "fc1" else "w2")]
+    cached = c[layer]["cache"] >= 0  # (layer_common.cache_key: a key only for a cache in use)
+    return dgrad_first_by_size(rows, tuple(c[layer]["shape"]), w[0] == "g" and not cached,
+                               c[layer]["fuse"] is not None)
 
 
 def fc2_parts(c: dict, key: str, rows) -> list:
-    """fc2's GEMM ops in the order eager runs them (linear_steps.backward_steps);
-    the first one also returns the bias gradient, fused into its dy pass as
-    in eager.  A bias gradient without either GEMM is a "wgrad" op alone.
-    Where the order depends on the row count (dgrad first frees a weight
-    copy) and that count is symbolic (a trace with dynamic shapes), it is
-    known only at run time, and with it the pass that fuses the bias
-    gradient: both GEMMs then run in one op ("gemms"), in eager's order."""
+    """fc2's GEMM ops in the order eager runs them (linear_steps.backward_steps;
+    with a symbolic row count, a trace with dynamic shapes, wgrad first, as
+    dgrad_first_by_size rules).  A bias gradient without either GEMM is a
+    "wgrad" op alone."""
     need2 = needs_of_list(c["needs"][1])
-    frees_copy, into_main_grad = _order_flags(c, key, "fc2")
-    if need2.dgrad and need2.wgrad and not isinstance(rows, int) and frees_copy and not into_main_grad:
-        return ["gemms"]
     order = ("dgrad", "wgrad") if need2.dgrad and need2.wgrad and dgrad_first_of(c, key, rows, "fc2") else \
         ("wgrad", "dgrad")
     parts = [p for p in order if (need2.dgrad if p == "dgrad" else need2.wgrad)]
     return parts or (["wgrad"] if need2.dbias else [])
 
 
-def fc2_outputs(c: dict, key: str, rows, part: str) -> Tuple[bool, bool, bool]:
+def _bias_part(need2) -> str:
+    """The fc2 op that returns fc2's bias gradient: the wgrad op's dy pass
+    fuses it, or the dgrad op's without a weight gradient.  The row count
+    does not enter, so the traced and the run op agree on their outputs
+    with dynamic shapes too.  Eager fuses it into whichever pass runs first;
+    the bits do not depend on the pass's direction (tests/test_backward_order.py),
+    so they are eager's in either order."""
+    return "wgrad" if need2.wgrad or not need2.dgrad else "dgrad"
+
+
+def fc2_outputs(c: dict, part: str) -> Tuple[bool, bool, bool]:
     """Which of (fc2's weight grads, its bias grads, da) the fc2 op ``part``
-    returns, in this order."""
+    returns: its GEMM's result (weight grads or da), then the bias grads."""
     need2 = needs_of_list(c["needs"][1])
-    return (part != "dgrad" and wgrad_out(c, need2, "fc2"),
-            need2.dbias and (part == "gemms" or fc2_parts(c, key, rows)[0] == part),
-            part != "wgrad" and need2.dgrad)
+    return (part == "wgrad" and wgrad_out(c, need2, "fc2"), need2.dbias and part == _bias_part(need2),
+            part == "dgrad" and need2.dgrad)
+
+
 _DH_FOR = {"wgrad": (0, 2, 3), "dgrad": (1, 2)}  # of (wgrad operand, dgrad operand, hp, fused dbias)
 
 
@@ -144,8 +143,8 @@ def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
 
 def fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, part, rows, fake):
     """``lpmoe::grouped_mlp_backward``'s implementation (and fake): the
-    whole backward (``part`` "whole"), or fc2's GEMMs of :func:`fc2_parts`:
-    [w2 grads] [b2 grads] [da] as :func:`fc2_outputs` says."""
+    whole backward (``part`` "whole"), or one of fc2's GEMMs: [w2 grads or
+    da] [b2 grads], as :func:`fc2_outputs` says."""
     c = specs.parse(config)
     cfg = mlp_config(c, fake)
     if not fake:
@@ -153,23 +152,19 @@ def fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, part, rows
     if part == "whole":
         return _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
     dtype = specs.dtype_from_name(c["dtype"])
-    has_w, has_b, has_da = fc2_outputs(c, key, rows, part)
+    has_w, has_b, has_da = fc2_outputs(c, part)
     main2 = None if fake or part == "dgrad" else fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"])
     objs = dict(zip([SAVED[i] for i in SAVED_FOR_FC2[part]],
                     saved_layout.rebuild(key, saved, 0, rows, SAVED_FOR_FC2[part])))
     del saved
     back = _route_of(objs, m_splits, rows)
+    (saved_obj,) = objs.values()
+    del objs
     splits = op_splits(m_splits, host, c["num"], rows, grad.device, fake)
     with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
-        if part == "gemms":
-            da, w2g, b2g = mlp.mlp_backward_fc2(_grad_in(grad, back, c), objs.pop, splits, cfg, dtype, main2)
-        else:
-            (saved_obj,) = objs.values()
-            del objs
-            out, b2g = mlp.mlp_backward_fc2_part(_grad_in(grad, back, c), saved_obj, splits, cfg, dtype, part,
-                                                 has_b, main2)
-            da, w2g = (out, None) if part == "dgrad" else (None, out)
-    return ([w2g] if has_w else []) + ([b2g] if has_b else []) + ([da] if has_da else [])
+        out, b2g = mlp.mlp_backward_fc2_part(_grad_in(grad, back, c), saved_obj, splits, cfg, dtype, part, has_b,
+                                             main2)
+    return ([out] if has_w or has_da else []) + ([b2g] if has_b else [])
 
 
 def act_run(da, saved, m_splits, host, config, key, rows, fake):

@@ -10,9 +10,8 @@ linear_steps.backward_steps), the activation backward, fc1's weight (and
 bias) gradients and its input gradient, each given only the saved tensors
 it reads (saved_layout.stage_slots).  A compiled graph holds an op's inputs
 until the op returns, so with one op per GEMM every saved copy dies after
-its last reader, as in eager (with dynamic shapes fc2's GEMMs may share one
-op, mlp_backward_ops.fc2_parts).  A small layer runs it as one op (the
-extra op calls cost host time that would dominate a launch-bound step)."""
+its last reader, as in eager.  A small layer runs it as one op (the extra
+op calls cost host time that would dominate a launch-bound step)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -112,9 +111,9 @@ def mlp_backward_stages(grad, saved, m_splits, host, fused1, fused2, config: str
         part_args = fc2.pop(part)  # (a direct call then drops this GEMM's operands when it returns)
         res = grouped_mlp_backward(*part_args) if op else fc2_run(*part_args, False)
         del part_args
-        has_w, has_b, has_da = fc2_outputs(c, key, rows, part)
-        da += [res.pop()] if has_da else []
+        has_w, has_b, has_da = fc2_outputs(c, part)
         b2g += [res.pop()] if has_b else []
+        da += [res.pop()] if has_da else []
         w2g += [res.pop()] if has_w else []
         del res
     del fc2
@@ -259,7 +258,7 @@ def mlp_backward_args(fwd_args: tuple, fwd_out, grad: Tensor) -> tuple:
     without its first, {fc1 part: that op's arguments without its first})
     of the staged form after a forward with ``fwd_args`` returned
     ``fwd_out`` (tests, opcheck).  The activation op's first argument is
-    the last output of fc2's "dgrad" op (da); the fc1 ops' first is
+    the first output of fc2's "dgrad" op (da); the fc1 ops' first is
     :func:`fc1_dh` of the activation op's outputs past d probs."""
     return _split_args(grad, *_saved_args(fwd_args, fwd_out))
 
