@@ -29,6 +29,7 @@ import torch
 
 import lpmoe
 from lpmoe.functional import mlp as fmlp
+from lpmoe.functional import mlp_backward
 from lpmoe.library import mlp_backward_ops, mlp_ops, saved_layout
 from lpmoe.recipe import Float8BlockScaling
 
@@ -92,7 +93,7 @@ def main():
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also run N steps of each mode under cProfile and print the top functions by own time")
     a = p.parse_args()
-    for module, name in ((fmlp, "mlp_forward_impl"), (fmlp, "mlp_backward_impl"), (mlp_ops, "_mlp_forward"),
+    for module, name in ((fmlp, "mlp_forward_impl"), (mlp_backward, "mlp_backward_impl"), (mlp_ops, "_mlp_forward"),
                          (mlp_backward_ops, "fc2_run"), (mlp_backward_ops, "act_run"),
                          (mlp_backward_ops, "fc1_run"),
                          (saved_layout, "flatten"), (saved_layout, "rebuild"), (mlp_ops, "check_recipe")):

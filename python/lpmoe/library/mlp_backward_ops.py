@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from lpmoe.functional import mlp
+from lpmoe.functional import mlp_backward as mb
 from lpmoe.functional.linear_steps import dgrad_first_by_size
 from lpmoe.grouped_tensor import sharing_offsets
 from lpmoe.library import fused_main_grads as fused_mg
@@ -47,7 +47,7 @@ Tensor = torch.Tensor
 # receives only its direction.  The GEMM ops also read the routing.
 _ROUTE = tuple(SAVED.index(n) for n in mlp_route.ROUTE)
 #: saved objects (indices into SAVED) each op reads
-STAGE_ACT = tuple(SAVED.index(n) for n in mlp.STAGE_ACT)
+STAGE_ACT = tuple(SAVED.index(n) for n in mb.STAGE_ACT)
 SAVED_FOR = {"wgrad": (SAVED.index("x1"),) + _ROUTE, "dgrad": (SAVED.index("w1"),) + _ROUTE}
 SAVED_FOR_FC2 = {"wgrad": (SAVED.index("x2"),) + _ROUTE, "dgrad": (SAVED.index("w2"),) + _ROUTE}
 
@@ -135,7 +135,7 @@ def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
     splits = op_splits(m_splits, host, g, rows, grad.device, False)
     objs["x1"] = _x1_in(objs["x1"], back, c)
     grad = _grad_in(grad, back, c)
-    dx, dprobs, w1g, b1g, w2g, b2g = mlp.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype, main_grads, back)
+    dx, dprobs, w1g, b1g, w2g, b2g = mb.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype, main_grads, back)
     out = ([dx] if need1.dgrad else []) + ([dprobs] if need_probs else [])
     out += ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
     return out + ([w2g] if wgrad2 else []) + ([b2g] if need2.dbias else [])
@@ -162,7 +162,7 @@ def fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, part, rows
     del objs
     splits = op_splits(m_splits, host, c["num"], rows, grad.device, fake)
     with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
-        out, b2g = mlp.mlp_backward_fc2_part(_grad_in(grad, back, c), saved_obj, splits, cfg, dtype, part, has_b,
+        out, b2g = mb.mlp_backward_fc2_part(_grad_in(grad, back, c), saved_obj, splits, cfg, dtype, part, has_b,
                                              main2)
     return ([out] if has_w or has_da else []) + ([b2g] if has_b else [])
 
@@ -183,7 +183,7 @@ def act_run(da, saved, m_splits, host, config, key, rows, fake):
     del saved
     splits = op_splits(m_splits, host, c["num"], rows, da.device, fake)
     with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
-        dh, dprobs = mlp.mlp_backward_activation(da, objs.pop, splits, cfg)
+        dh, dprobs = mb.mlp_backward_activation(da, objs.pop, splits, cfg)
         q = dh.quantized if dh is not None else None
         dh_objs = (None, None, None, None) if dh is None else (
             q.direction_view(columnwise=True) if q is not None and need1.wgrad else None,
@@ -221,12 +221,12 @@ def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fak
         if part == "dgrad":
             qrow, hp = dh_objs
             del dh_objs
-            dx = mlp.mlp_backward_fc1_dgrad(mlp.Dh(qrow, hp, None), saved_obj, splits, cfg)
+            dx = mb.mlp_backward_fc1_dgrad(mb.Dh(qrow, hp, None), saved_obj, splits, cfg)
             return [back.rows_to_tokens(dx) if back is not None else dx]
         qcol, hp, dbias = dh_objs
         del dh_objs
         main1 = fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"])
-        w1g, b1g = mlp.mlp_backward_fc1_wgrad(mlp.Dh(qcol, hp, dbias), _x1_in(saved_obj, back, c), splits, cfg, dtype,
+        w1g, b1g = mb.mlp_backward_fc1_wgrad(mb.Dh(qcol, hp, dbias), _x1_in(saved_obj, back, c), splits, cfg, dtype,
                                               main1)
     if b1g is not None and b1g is dbias:  # the activation's fused bias gradient, already in dtype: an input
         b1g = b1g.clone()
