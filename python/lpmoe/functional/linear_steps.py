@@ -13,8 +13,8 @@ from lpmoe.gemm import grouped_gemm
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.policy import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
 
-__all__ = ["linear_forward", "backward_steps", "dgrad_first", "dgrad_first_by_size", "dgrad_step", "wgrad_step", "bias_step", "bias_grad",
-           "fused_wgrad_results"]
+__all__ = ["linear_forward", "backward_steps", "dgrad_first", "dgrad_first_by_size", "dgrad_step", "wgrad_step",
+           "one_gemm_step", "bias_step", "bias_grad", "fused_wgrad_results"]
 
 # Width of the ones operand of the bias-gradient GEMM: the narrowest the
 # grouped kernels take (N and K multiples of 16).
@@ -78,6 +78,21 @@ def bias_step(grad: Grad, splits, need: Needs, dtype: torch.dtype) -> Optional[t
         return None
     dbias = grad.dbias if grad.dbias is not None else bias_grad(grad.hp, splits)
     return dbias.to(dtype)
+
+
+def one_gemm_step(policy: LinearPolicy, grad: Grad, saved, splits, need: Needs, shape: Tuple[int, int, int],
+                  *, dtype: torch.dtype, main_grads=None):
+    """One of a layer's backward GEMMs alone, the one ``need`` asks for
+    (a staged backward runs each in its own op): (dx or weight grads, bias
+    grads).  ``saved`` is what that GEMM reads: the saved weights for dgrad,
+    the saved input for wgrad (or either, unused, for a bias gradient alone)."""
+    if need.dgrad:
+        out = dgrad_step(policy, grad, saved, splits, shape)
+    else:
+        tokens = policy.wgrad_tokens(saved, splits) if need.wgrad else None
+        del saved
+        out = wgrad_step(grad, tokens, splits, need, dtype=dtype, main_grads=main_grads)
+    return out, bias_step(grad, splits, need, dtype)
 
 
 def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads, weights_cached: bool = False) -> bool:

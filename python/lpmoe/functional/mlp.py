@@ -15,9 +15,9 @@ and probs; every rowwise copy dies with its fprop GEMM, and the backward
 drops each of these copies and h as soon as its last GEMM or kernel has run
 (lpmoe.functional.saved.hold; each layer runs its two GEMMs in the order
 that holds less, lpmoe.functional.linear_steps.backward_steps; the
-backward's stages are in lpmoe.functional.mlp_backward).  Results are bit-identical to running the
-layers unfused (GroupedLinear, lpmoe.activation.activation, GroupedLinear)
-under the same recipe.  Other
+backward's stages are in lpmoe.functional.mlp_backward).  Results are
+bit-identical to running the layers unfused (GroupedLinear,
+lpmoe.activation.activation, GroupedLinear) under the same recipe.  Other
 recipes run the same sequence with a high-precision activation in between
 (see lpmoe.policy for what each recipe saves).
 """

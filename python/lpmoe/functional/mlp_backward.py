@@ -15,7 +15,7 @@ import torch
 
 from lpmoe.activation import kernels
 from lpmoe.functional.gathered_rows import GatheredRows
-from lpmoe.functional.linear_steps import backward_steps, bias_step, dgrad_step, wgrad_step
+from lpmoe.functional.linear_steps import backward_steps, dgrad_step, one_gemm_step
 from lpmoe.functional.splits import Splits
 from lpmoe.grouped_tensor import GroupedTensor, shares_offsets
 from lpmoe.policy import Grad, LinearPolicy, Needs
@@ -53,18 +53,24 @@ class Dh:
 STAGE_ACT = ("probs", "h")
 
 
+def _fc2_grad(grad_out, splits: Splits, cfg: MLPConfig, need: Needs) -> Grad:
+    """fc2's output gradient in the form its policy's GEMMs read (for the
+    GEMMs ``need`` asks for)."""
+    pol2 = cfg.fc2.policy
+    if isinstance(grad_out, GatheredRows):  # fc2's output gradient as rows of the tokens' gradient
+        if not pol2.takes_gathered_grad(need) or not grad_out.can_quantize(pol2.grad_quantizer(need)):
+            grad_out = grad_out.rows()  # this policy reads the rows themselves
+    return pol2.grad(grad_out if isinstance(grad_out, GatheredRows) else grad_out.contiguous(), splits, need)
+
+
 def mlp_backward_fc2(grad_out, take, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
     """fc2's backward: (da or None, fc2's weight grads, fc2's bias grads).
     ``take(name)`` hands the saved objects over one at a time (each can be
     dropped after its last reader)."""
     need2 = cfg.needs[1]
-    pol2 = cfg.fc2.policy
-    if isinstance(grad_out, GatheredRows):  # fc2's output gradient as rows of the tokens' gradient
-        if not pol2.takes_gathered_grad(need2) or not grad_out.can_quantize(pol2.grad_quantizer(need2)):
-            grad_out = grad_out.rows()  # this policy reads the rows themselves
-    grad2 = pol2.grad(grad_out if isinstance(grad_out, GatheredRows) else grad_out.contiguous(), splits, need2)
+    grad2 = _fc2_grad(grad_out, splits, cfg, need2)
     del grad_out
-    return backward_steps(pol2, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
+    return backward_steps(cfg.fc2.policy, grad2, take("x2"), take("w2"), splits, need2, cfg.fc2.shape,
                           weights_cached=cfg.weights_cached(cfg.fc2), dtype=dtype, main_grads=main_grads)
 
 
@@ -77,21 +83,12 @@ def mlp_backward_fc2_part(grad_out, saved, splits: Splits, cfg: MLPConfig, dtype
     do not depend on the pass's direction; lpmoe.library.mlp_backward_ops
     says which op takes it)."""
     need2 = cfg.needs[1]
-    pol2 = cfg.fc2.policy
     need = Needs(dgrad=part == "dgrad" and need2.dgrad, wgrad=part == "wgrad" and need2.wgrad,
                  dbias=with_dbias and need2.dbias)
-    if isinstance(grad_out, GatheredRows):
-        if not pol2.takes_gathered_grad(need) or not grad_out.can_quantize(pol2.grad_quantizer(need)):
-            grad_out = grad_out.rows()
-    grad2 = pol2.grad(grad_out if isinstance(grad_out, GatheredRows) else grad_out.contiguous(), splits, need)
+    grad2 = _fc2_grad(grad_out, splits, cfg, need)
     del grad_out
-    if part == "dgrad":
-        out = dgrad_step(pol2, grad2, saved, splits, cfg.fc2.shape) if need.dgrad else None
-    else:
-        tokens = pol2.wgrad_tokens(saved, splits) if need.wgrad else None
-        del saved
-        out = wgrad_step(grad2, tokens, splits, need, dtype=dtype, main_grads=main_grads)
-    return out, bias_step(grad2, splits, need, dtype)
+    return one_gemm_step(cfg.fc2.policy, grad2, saved, splits, need, cfg.fc2.shape, dtype=dtype,
+                         main_grads=main_grads)
 
 
 def mlp_backward_activation(da: Optional[torch.Tensor], take, splits: Splits, cfg: MLPConfig):
@@ -128,21 +125,19 @@ def mlp_backward_fc1(dh: Optional[Dh], take, splits: Splits, cfg: MLPConfig, dty
 
 
 def mlp_backward_fc1_wgrad(dh: Dh, x1, splits: Splits, cfg: MLPConfig, dtype, main_grads=None):
-    """fc1's weight and bias gradients alone (the compiled backward's third
-    stage runs the dgrad): the same steps as :func:`mlp_backward_fc1`."""
+    """fc1's weight and bias gradients alone (the compiled backward runs the
+    dgrad in another op): the same steps as :func:`mlp_backward_fc1`."""
     need1 = cfg.needs[0]
     need = Needs(dgrad=False, wgrad=need1.wgrad, dbias=need1.dbias)
     grad1 = dh.grad(cfg.fc1.policy, splits, need)
     del dh
-    tokens = cfg.fc1.policy.wgrad_tokens(x1, splits) if need.wgrad else None
-    del x1
-    w_grads = wgrad_step(grad1, tokens, splits, need, dtype=dtype, main_grads=main_grads)
-    return w_grads, bias_step(grad1, splits, need, dtype)
+    return one_gemm_step(cfg.fc1.policy, grad1, x1, splits, need, cfg.fc1.shape, dtype=dtype, main_grads=main_grads)
 
 
 def mlp_backward_fc1_dgrad(dh: Dh, w1, splits: Splits, cfg: MLPConfig) -> torch.Tensor:
     """fc1's input gradient alone (see :func:`mlp_backward_fc1_wgrad`)."""
-    grad1 = dh.grad(cfg.fc1.policy, splits, Needs(dgrad=True, wgrad=False, dbias=False))
+    need = Needs(dgrad=True, wgrad=False, dbias=False)
+    grad1 = dh.grad(cfg.fc1.policy, splits, need)
     del dh
     return dgrad_step(cfg.fc1.policy, grad1, w1, splits, cfg.fc1.shape)
 

@@ -32,8 +32,8 @@ from lpmoe.library.layer_common import CALLS, needs_of_list, op_splits
 from lpmoe.library.mlp_config import SAVED, mlp_config, wgrad_out
 
 __all__ = ["STAGE_ACT", "SAVED_FOR", "SAVED_FOR_FC2", "fc1_dh", "fc2_parts", "fc2_outputs", "dgrad_first_of",
-           "grouped_mlp_backward",
-           "grouped_mlp_backward_act", "grouped_mlp_backward_fc1", "fc2_run", "act_run", "fc1_run"]
+           "grouped_mlp_backward", "grouped_mlp_backward_act", "grouped_mlp_backward_fc1", "fc2_run", "act_run",
+           "fc1_run"]
 
 Tensor = torch.Tensor
 
