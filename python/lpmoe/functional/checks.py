@@ -14,7 +14,10 @@ __all__ = ["check_params", "check_recipe", "check_main_grads"]
 _HP = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_params(inp, weights, biases) -> Tuple[int, int, int]:
+def check_params(inp, weights, biases, param_dtype: Optional[torch.dtype] = None) -> Tuple[int, int, int]:
+    """(G, N, K) of valid parameters.  The weights and biases must have
+    ``param_dtype`` (default: the input's dtype; under torch.autocast the
+    parameters' own, lpmoe.functional.precision) and the input's device."""
     if isinstance(inp, GroupedTensor):
         raise TypeError("inp must be a high-precision torch.Tensor, not a GroupedTensor; grouped_linear groups "
                         "and quantizes it itself")
@@ -25,8 +28,9 @@ def check_params(inp, weights, biases) -> Tuple[int, int, int]:
         raise TypeError(f"inp must be bf16, fp16 or fp32 (quantized inputs are not supported), got {inp.dtype}")
     if inp.dim() < 2:
         raise ValueError(f"inp must be (tokens, in_features) or (..., in_features), got shape {tuple(inp.shape)}")
+    pd = inp.dtype if param_dtype is None else param_dtype
     if isinstance(weights, torch.Tensor):
-        return _check_stacked(inp, weights, biases)
+        return _check_stacked(inp, weights, biases, pd)
     if not isinstance(weights, (list, tuple)) or len(weights) == 0:
         raise TypeError("weights must be a non-empty list of (out_features, in_features) tensors or one "
                         "(num_gemms, out_features, in_features) tensor")
@@ -34,9 +38,8 @@ def check_params(inp, weights, biases) -> Tuple[int, int, int]:
     for i, w in enumerate(weights):
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape != w0.shape:
             raise ValueError(f"weights[{i}] must be a 2-D tensor of shape {tuple(w0.shape)}")
-        if w.dtype != inp.dtype or w.device != inp.device:
-            raise TypeError(f"weights[{i}] is {w.dtype} on {w.device}; expected the input's {inp.dtype} on "
-                            f"{inp.device}")
+        if w.dtype != pd or w.device != inp.device:
+            raise TypeError(f"weights[{i}] is {w.dtype} on {w.device}; expected {_expected(inp, pd)}")
     n, k = w0.shape
     if inp.shape[-1] != k:
         raise ValueError(f"inp's last dim is {inp.shape[-1]} but the weights' in_features is {k}")
@@ -47,19 +50,25 @@ def check_params(inp, weights, biases) -> Tuple[int, int, int]:
         for i, b in enumerate(biases):
             if not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,):
                 raise ValueError(f"biases[{i}] must have shape ({n},)")
-            if b.dtype != inp.dtype or b.device != inp.device:
-                raise TypeError(f"biases[{i}] is {b.dtype} on {b.device}; expected {inp.dtype} on {inp.device}")
+            if b.dtype != pd or b.device != inp.device:
+                raise TypeError(f"biases[{i}] is {b.dtype} on {b.device}; expected {_expected(inp, pd)}")
     return len(weights), n, k
 
 
-def _check_stacked(inp, weight: torch.Tensor, bias) -> Tuple[int, int, int]:
+def _expected(inp, pd: torch.dtype) -> str:
+    if pd == inp.dtype:
+        return (f"the input's {pd} on {inp.device} (or run under torch.autocast for parameters in another "
+                "dtype)")
+    return f"the weights' {pd} on {inp.device}"
+
+
+def _check_stacked(inp, weight: torch.Tensor, bias, pd: torch.dtype) -> Tuple[int, int, int]:
     """One (G, N, K) weight and optionally one (G, N) bias."""
     if weight.dim() != 3 or weight.shape[0] == 0:
         raise ValueError(f"weights as one tensor must be (num_gemms, out_features, in_features), got shape "
                          f"{tuple(weight.shape)}")
-    if weight.dtype != inp.dtype or weight.device != inp.device:
-        raise TypeError(f"weights is {weight.dtype} on {weight.device}; expected the input's {inp.dtype} on "
-                        f"{inp.device}")
+    if weight.dtype != pd or weight.device != inp.device:
+        raise TypeError(f"weights is {weight.dtype} on {weight.device}; expected {_expected(inp, pd)}")
     if not weight.is_contiguous():
         raise ValueError("weights as one (num_gemms, out_features, in_features) tensor must be contiguous")
     g, n, k = weight.shape
@@ -69,8 +78,8 @@ def _check_stacked(inp, weight: torch.Tensor, bias) -> Tuple[int, int, int]:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (g, n):
             got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
             raise ValueError(f"biases with a stacked weight must be one ({g}, {n}) tensor, got {got}")
-        if bias.dtype != inp.dtype or bias.device != inp.device:
-            raise TypeError(f"biases is {bias.dtype} on {bias.device}; expected {inp.dtype} on {inp.device}")
+        if bias.dtype != pd or bias.device != inp.device:
+            raise TypeError(f"biases is {bias.dtype} on {bias.device}; expected {_expected(inp, pd)}")
     return g, n, k
 
 
@@ -116,8 +125,8 @@ def check_recipe(recipe, dtype, n: int, k: int, splits, cuda: bool,
                                       "(x_block_dim=1, w_block_dim=2, grad_block_dim=1); got "
                                       f"{recipe.x_block_dim}/{recipe.w_block_dim}/{recipe.grad_block_dim}")
         if dtype != torch.bfloat16:
-            raise TypeError(f"Float8BlockScaling needs bf16 activations and parameters (the FP8 grouped GEMMs "
-                            f"write bf16), got {dtype}")
+            raise TypeError(f"Float8BlockScaling needs bf16 activations (the FP8 grouped GEMMs write bf16), got "
+                            f"{dtype}; parameters of another dtype need torch.autocast(dtype=torch.bfloat16)")
         if cuda and graph_safe and recipe.fp8_format is Format.HYBRID and recipe.backward_override is None:
             raise ValueError("Float8BlockScaling(Format.HYBRID) has E5M2 gradients, which the sync-free grouped "
                              "GEMMs do not take; pass m_splits as a list (host path, cuBLASLt) or use Format.E4M3")

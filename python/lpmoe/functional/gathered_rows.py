@@ -44,6 +44,12 @@ class GatheredRows:
         in ``tokens`` (the unfused path)."""
         raise NotImplementedError
 
+    def on_tokens(self, tokens: torch.Tensor) -> "GatheredRows":
+        """These rows, with the same options, gathered from ``tokens``
+        instead (same shape and routing; e.g. the tokens cast to
+        torch.autocast's dtype, differentiable in the original ones)."""
+        raise NotImplementedError
+
     def can_quantize(self, quantizer) -> bool:
         """Whether :meth:`quantize` takes this quantizer for these tokens."""
         raise NotImplementedError

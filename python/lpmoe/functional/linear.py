@@ -53,6 +53,7 @@ from lpmoe.autocast import get_autocast_recipe
 from lpmoe.functional import saved
 from lpmoe.functional.checks import check_main_grads, check_params, check_recipe
 from lpmoe.functional.linear_steps import backward_steps, fused_wgrad_results, linear_forward, main_grads_of
+from lpmoe.functional.precision import autocast_off, compute_input
 from lpmoe.functional.params import (Params, any_requires_grad, as_inputs, from_inputs, grads_for, input_count,
                                      is_stacked)
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
@@ -84,7 +85,7 @@ class LinearConfig:
 def linear_forward_impl(x2d: torch.Tensor, splits: Splits, weights, biases, cfg: LinearConfig):
     """y and what the backward reads: (y, (saved_x, saved_w))."""
     need = cfg.need
-    wsrc = WeightSource(weights, cfg.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+    wsrc = WeightSource(weights, cfg.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled, x2d.dtype)
     out, fw = linear_forward(cfg.policy, Tokens(hp=x2d, save_original=cfg.save_original_input), wsrc, biases,
                              splits, need)
     return out, (fw.saved_x if need.wgrad else None, fw.saved_w if need.dgrad else None)
@@ -114,12 +115,13 @@ class _GroupedLinear(torch.autograd.Function):
         num = input_count(cfg.num, cfg.stacked)
         weights = from_inputs(params[:num], cfg.stacked)
         biases = from_inputs(params[num:], cfg.stacked) if cfg.has_bias else None
-        out, (sx, sw) = linear_forward_impl(x2d, splits, weights, biases, cfg)
+        with autocast_off():
+            out, (sx, sw) = linear_forward_impl(x2d, splits, weights, biases, cfg)
         saved.save(ctx, sx, sw)
         ctx.cfg, ctx.splits = cfg, splits
         ctx.main_grad_weights = weights if cfg.fuse_wgrad_accumulation else None
         ctx.shape = (cfg.num,) + tuple(params[0].shape[-2:])
-        ctx.dtype = x2d.dtype
+        ctx.dtype = params[0].dtype  # the parameters' gradients' (dx comes in x's, the compute dtype)
         return out
 
     @staticmethod
@@ -128,8 +130,9 @@ class _GroupedLinear(torch.autograd.Function):
         saved_x, saved_w = saved.load(ctx)
         fused = ctx.main_grad_weights
         ctx.main_grad_weights = None
-        dgrad, w_grads, b_grads = linear_backward_impl(grad_out, saved_x, saved_w, ctx.splits, cfg, ctx.shape,
-                                                       ctx.dtype, None if fused is None else main_grads_of(fused))
+        with autocast_off():
+            dgrad, w_grads, b_grads = linear_backward_impl(grad_out, saved_x, saved_w, ctx.splits, cfg, ctx.shape,
+                                                           ctx.dtype, None if fused is None else main_grads_of(fused))
         if fused is not None and cfg.need.wgrad:
             w_grads = fused_wgrad_results(fused)
         grads = [dgrad, None, None] + grads_for(w_grads, cfg.num, cfg.stacked)
@@ -160,8 +163,9 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
         m_splits: tokens per expert: an int tensor on the input's CUDA device
             (graph-safe, never read on the host), or a list of ints / a CPU
             int tensor (host path; validated).  See the module docstring.
-        weights: G tensors (out_features, in_features), the input's dtype,
-            or one contiguous (G, out_features, in_features) tensor (a
+        weights: G tensors (out_features, in_features), the input's dtype
+            (any float dtype under torch.autocast, whose dtype the layer
+            then computes in: lpmoe.functional.precision), or one contiguous (G, out_features, in_features) tensor (a
             stacked parameter: its gradient is one (G, N, K) tensor; see
             lpmoe.functional.params).
         biases: None, G tensors (out_features,), or with a stacked weight
@@ -196,13 +200,15 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
             version check), as in TE.  A non-contiguous input (which is
             copied here) keeps the FP8 copy; so do the other recipes and
             backward_override modes (they keep what they keep already).
-    Returns (..., out_features) in the input's dtype.
+    Returns (..., out_features) in the input's dtype (the autocast dtype
+    under torch.autocast).
 
     Errors are raised before any GPU work.  Quantized inputs (GroupedTensor,
     FP8 tensors) raise TypeError: pass the high-precision activations.
     """
     inp, m_splits = ready(inp), ready(m_splits)
-    g, n, k = check_params(inp, weights, biases)
+    inp, param_dtype = compute_input(inp, weights)  # under torch.autocast: cast to its dtype (precision.py)
+    g, n, k = check_params(inp, weights, biases, param_dtype)
     if recipe is None:
         recipe = get_autocast_recipe()
     x2d = inp.reshape(-1, k)

@@ -9,6 +9,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from lpmoe.functional.gathered_rows import GatheredRows
+from lpmoe.functional.precision import as_compute
 from lpmoe.gemm import grouped_gemm
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.policy import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
@@ -47,8 +48,11 @@ def dgrad_step(policy: LinearPolicy, grad: Grad, saved_w, splits, shape: Tuple[i
     """dx = dy . W.  The Grad hands its dgrad operand over (made now if the
     policy quantizes per direction), so that copy dies with this GEMM."""
     g, n, k = shape
-    return grouped_gemm(grad.take("dgrad"), policy.dgrad_weights(saved_w, g, n, k), kind="dgrad",
-                        m_splits=splits.host)
+    dy = grad.take("dgrad")
+    w = policy.dgrad_weights(saved_w, g, n, k)
+    if not dy.is_quantized:  # saved parameters of another dtype (torch.autocast): cast now, not kept cast
+        w = as_compute(w, dy.dtype)
+    return grouped_gemm(dy, w, kind="dgrad", m_splits=splits.host)
 
 
 def wgrad_step(grad: Grad, wgrad_tokens, splits, need: Needs, *, dtype: torch.dtype, main_grads=None):

@@ -38,6 +38,7 @@ from lpmoe.functional.mlp_args import LayerParams, check_fc2, check_layer, check
 from lpmoe.functional.linear import needs_of
 from lpmoe.functional.linear_steps import fused_wgrad_results, linear_forward, main_grads_of
 from lpmoe.functional.params import as_inputs, from_inputs, grads_for, input_count, is_stacked
+from lpmoe.functional.precision import autocast_off, compute_input
 from lpmoe.functional.gathered_rows import GatheredRows
 from lpmoe.functional.splits import Splits, parse_splits, splits_for_checks
 from lpmoe.functional.weights import WeightCache, WeightSource, cache_in_use
@@ -110,14 +111,14 @@ def mlp_forward_impl(x2d, probs, splits: Splits, params, cfg: MLPConfig, source:
     need1, need2, need_probs = cfg.needs
     need_act = need2.dgrad
     spec = cfg.spec
-    ws1 = WeightSource(w1, cfg.fc1.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+    ws1 = WeightSource(w1, cfg.fc1.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled, x2d.dtype)
     keep = cfg.fc1.save_original_input
     x1 = Tokens(gathered=source, save_original=keep) if source is not None else Tokens(hp=x2d, save_original=keep)
     h, fw1 = linear_forward(cfg.fc1.policy, x1, ws1, b1, splits, need1)
     del x1
     write_hp, q_act = cfg.fc2.policy.activation_output(need2)
     act = kernels.forward(h, spec, probs, splits.device, write_hp=write_hp or q_act is None, quantizer=q_act)
-    ws2 = WeightSource(w2, cfg.fc2.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled)
+    ws2 = WeightSource(w2, cfg.fc2.weight_cache, cfg.is_first_microbatch, cfg.grad_enabled, x2d.dtype)
     y, fw2 = linear_forward(cfg.fc2.policy, Tokens(hp=act.hp, quantized=act.quantized), ws2, b2, splits, need2)
     del act
     if source is not None and source.sum_to_tokens:  # the unpermute, inside the function
@@ -133,7 +134,8 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, probs, splits, cfg: MLPConfig, source: Optional[GatheredRows], *params):
-        y, objs = mlp_forward_impl(x2d, probs, splits, params, cfg, source)
+        with autocast_off():
+            y, objs = mlp_forward_impl(x2d, probs, splits, params, cfg, source)
         x1, w1s, p, sw2, h, sx2 = objs
         # Parameters and the caller's tensors go through save_for_backward;
         # what this function made (h, the quantized copies) is held, so the
@@ -150,7 +152,7 @@ class _GroupedMLP(torch.autograd.Function):
         w2, _, _ = split_params(params[used:], cfg.fc2)
         ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)
-        ctx.dtype = x2d.dtype
+        ctx.dtype = params[0].dtype  # the parameters' gradients' (dx comes in x's, the compute dtype)
         ctx.source = source.for_backward() if source is not None else None  # the map, not the tokens
         ctx.sum_to_tokens = source is not None and source.sum_to_tokens
         return y
@@ -172,9 +174,10 @@ class _GroupedMLP(torch.autograd.Function):
         ctx.main_grads = (None, None)
         if ctx.sum_to_tokens:  # the rows' gradient is the tokens' gradient through the map
             grad_out = ctx.source.with_tokens(grad_out.contiguous())
-        dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads = mlp_backward.mlp_backward_impl(
-            grad_out, take, ctx.splits, cfg, ctx.dtype, tuple(None if w is None else main_grads_of(w)
-                                                              for w in (fused1, fused2)), ctx.source)
+        with autocast_off():
+            dx, dprobs, w1_grads, b1_grads, w2_grads, b2_grads = mlp_backward.mlp_backward_impl(
+                grad_out, take, ctx.splits, cfg, ctx.dtype, tuple(None if w is None else main_grads_of(w)
+                                                                  for w in (fused1, fused2)), ctx.source)
         ctx.source = None
         need1, need2, _ = cfg.needs
         if fused1 is not None and need1.wgrad:
@@ -241,12 +244,15 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
         m_splits = source.m_splits
     inp, m_splits, probs = ready(inp), ready(m_splits), ready(probs)
     fc1, fc2 = check_layer(fc1, "fc1"), check_layer(fc2, "fc2")
+    inp, param_dtype = compute_input(inp, fc1.weights)  # under torch.autocast: cast to its dtype (precision.py)
+    if routed is not None and inp is not routed.tokens:
+        routed = source = routed.on_tokens(inp)
     spec = parse_activation(activation)
-    g, w, hidden = check_params(inp, fc1.weights, fc1.biases)
+    g, w, hidden = check_params(inp, fc1.weights, fc1.biases, param_dtype)
     if spec.is_glu and w % 2:
         raise ValueError(f"{spec.kind} needs fc1's out_features to be even (gate and value halves), got {w}")
     ffn = w // 2 if spec.is_glu else w
-    check_fc2(inp, fc2, g, hidden, ffn)
+    check_fc2(inp, fc2, g, hidden, ffn, param_dtype)
     if recipe is None:
         recipe = get_autocast_recipe()
     x2d = inp.reshape(-1, hidden)

@@ -52,7 +52,9 @@ def check_layer(params: LayerParams, name: str):
     return params
 
 
-def check_fc2(inp, fc2: LayerParams, g: int, hidden: int, ffn: int) -> None:
+def check_fc2(inp, fc2: LayerParams, g: int, hidden: int, ffn: int, param_dtype=None) -> None:
+    """fc2's parameters against fc1's sizes; their dtype is fc1's
+    (``param_dtype``, lpmoe.functional.checks.check_params)."""
     ws = fc2.weights
     if isinstance(ws, torch.Tensor):
         if tuple(ws.shape) != (g, hidden, ffn):
@@ -65,7 +67,7 @@ def check_fc2(inp, fc2: LayerParams, g: int, hidden: int, ffn: int) -> None:
         if not isinstance(ws[0], torch.Tensor) or tuple(ws[0].shape) != (hidden, ffn):
             raise ValueError(f"fc2.weights must be (hidden={hidden}, ffn={ffn}) per expert, got "
                              f"{tuple(ws[0].shape) if isinstance(ws[0], torch.Tensor) else type(ws[0]).__name__}")
-    check_params(inp.new_empty((0, ffn)), ws, fc2.biases)
+    check_params(inp.new_empty((0, ffn)), ws, fc2.biases, param_dtype)
 
 
 def check_options(fc1: LayerParams, fc2: LayerParams, is_first_microbatch) -> None:

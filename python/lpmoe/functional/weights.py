@@ -1,5 +1,7 @@
-"""Where a layer's weight operand comes from: the parameters, quantized per
-call or cached across micro-batches (``is_first_microbatch``)."""
+"""Where a layer's weight operand comes from: the parameters (cast to the
+compute dtype under torch.autocast), quantized per call or cached across
+micro-batches (``is_first_microbatch``).  A recipe quantizes the parameters
+in their own dtype: an fp32 weight goes to FP8 in one rounding."""
 from __future__ import annotations
 
 import itertools
@@ -145,9 +147,12 @@ class WeightSource:
     (:func:`_quantized_weights` semantics for ``is_first_microbatch``)."""
 
     def __init__(self, params, cache: Optional[WeightCache], is_first_microbatch: Optional[bool],
-                 grad_enabled: bool):
-        #: what the GEMMs and the backward take: the list, or the stacked tensor
+                 grad_enabled: bool, compute_dtype: Optional[torch.dtype] = None):
+        #: what the backward saves: the list, or the stacked tensor
         self.params = params if isinstance(params, torch.Tensor) else list(params)
+        #: the dtype a high-precision GEMM reads them in (default: theirs;
+        #: another under torch.autocast, lpmoe.functional.precision)
+        self.compute_dtype = self._first.dtype if compute_dtype is None else compute_dtype
         self.cache = cache
         self.is_first_microbatch = is_first_microbatch
         self.grad_enabled = grad_enabled
@@ -167,6 +172,12 @@ class WeightSource:
     @property
     def device(self) -> torch.device:
         return self._first.device
+
+    def operand(self):
+        """The weights as a high-precision GEMM reads them: the parameters,
+        or one stacked cast to :attr:`compute_dtype` (made per call, not kept)."""
+        from lpmoe.functional.precision import as_compute
+        return as_compute(self.params, self.compute_dtype)
 
     def quantized(self, quantizer) -> GroupedTensor:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

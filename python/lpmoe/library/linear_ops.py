@@ -9,6 +9,7 @@ import torch
 
 from lpmoe.functional import linear as lin
 from lpmoe.functional.checks import check_recipe
+from lpmoe.functional.precision import autocast_off, params_dtype
 from lpmoe.functional.params import as_inputs, from_inputs, grads_for, is_stacked, shape_of
 from lpmoe.functional.weights import cache_by_key
 from lpmoe.library import fused_main_grads as fused_mg
@@ -49,8 +50,9 @@ def _linear_forward(x, m_splits, host, weights, biases, config, fake):
         CALLS["grouped_linear"] += 1
         _, n, k = c["shape"]
         check_recipe(specs.decode(c["recipe"]), x.dtype, n, k, splits, x.is_cuda, x.device)
-    out, objs = lin.linear_forward_impl(x, splits, from_inputs(weights, cfg.stacked),
-                                        from_inputs(biases, cfg.stacked) if biases else None, cfg)
+    with autocast_off():
+        out, objs = lin.linear_forward_impl(x, splits, from_inputs(weights, cfg.stacked),
+                                            from_inputs(biases, cfg.stacked) if biases else None, cfg)
     key = config + "|" + signature(x, m_splits, weights)
     return out, saved_layout.flatten(key, objs, _linear_inputs(x, m_splits, weights, biases), fake, x.shape[0])
 
@@ -72,17 +74,19 @@ def _linear_backward_run(grad, saved, m_splits, host, fused, config, key, num_in
     g, n, k = c["shape"]
     need = needs_of_list(c["need"])
     wgrad_out = need.wgrad and c["fuse"] is None  # fused: added into main_grad instead
-    dtype = specs.dtype_from_name(c["dtype"])
+    # dx in the compute dtype, parameter gradients in the parameters' (torch.autocast: precision.py)
+    dtype, pdtype = specs.dtype_from_name(c["dtype"]), specs.dtype_from_name(c["pdtype"])
     if fake:
         out = [torch.empty((grad.shape[0], k), dtype=dtype, device=grad.device)] if need.dgrad else []
-        out += [torch.empty((g, n, k), dtype=dtype, device=grad.device)] if wgrad_out else []
-        return out + ([torch.empty((g, n), dtype=dtype, device=grad.device)] if need.dbias else [])
+        out += [torch.empty((g, n, k), dtype=pdtype, device=grad.device)] if wgrad_out else []
+        return out + ([torch.empty((g, n), dtype=pdtype, device=grad.device)] if need.dbias else [])
     CALLS["grouped_linear_backward"] += 1
     main_grads = fused_mg.main_grads(fused, c["fuse"], c["stacked"])
     sx, sw = saved_layout.rebuild(key, saved, num_inputs, grad.shape[0])
     splits = op_splits(m_splits, host, g, grad.shape[0], grad.device, False)
-    dx, w_grads, b_grads = lin.linear_backward_impl(grad, sx, sw, splits, _linear_config(c, False), (g, n, k), dtype,
-                                                    main_grads)
+    with autocast_off():
+        dx, w_grads, b_grads = lin.linear_backward_impl(grad, sx, sw, splits, _linear_config(c, False), (g, n, k),
+                                                        pdtype, main_grads)
     return ([dx] if need.dgrad else []) + ([w_grads] if wgrad_out else []) + ([b_grads] if need.dbias else [])
 
 
@@ -140,7 +144,7 @@ def linear_op_args(x2d, m_splits, weights, biases, recipe, weight_cache, is_firs
         "format": saved_layout.FORMAT, "recipe": specs.encode(recipe), "num": g, "bias": biases is not None,
         "stacked": is_stacked(weights), "cache": cache_key(weight_cache, is_first_microbatch),
         "first": is_first_microbatch, "grad": torch.is_grad_enabled(), "need": [need.dgrad, need.wgrad, need.dbias],
-        "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype),
+        "shape": [g, n, k], "dtype": specs.dtype_name(x2d.dtype), "pdtype": specs.dtype_name(params_dtype(weights)),
         "fuse": fused_mg.config_entry(weights, fuse_wgrad_accumulation, need.wgrad), "keep": bool(keep)})
     return (x2d, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits], as_inputs(weights),
             as_inputs(biases), config)

@@ -24,6 +24,7 @@ import torch
 
 from lpmoe.functional import mlp_backward as mb
 from lpmoe.functional.linear_steps import dgrad_first_by_size
+from lpmoe.functional.precision import autocast_off
 from lpmoe.grouped_tensor import sharing_offsets
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import mlp_route, saved_layout, specs
@@ -115,7 +116,7 @@ def _x1_in(x1, back, c: dict):
 def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake):
     """The whole backward in one op (small layers): [dx] [dprobs] [w1 grads]
     [b1 grads] [w2 grads] [b2 grads]."""
-    dtype = specs.dtype_from_name(c["dtype"])
+    dtype, pdtype = specs.dtype_from_name(c["dtype"]), specs.dtype_from_name(c["pdtype"])
     need1, need2, need_probs = cfg.needs
     wgrad1, wgrad2 = wgrad_out(c, need1, "fc1"), wgrad_out(c, need2, "fc2")
     g = c["num"]
@@ -127,15 +128,16 @@ def _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
         out = [torch.empty((mlp_route.tokens_of(back, rows), hidden), dtype=dtype, device=dev)] if need1.dgrad else []
         out += [torch.empty((rows,), dtype=specs.dtype_from_name(c["probs_dtype"]), device=dev)] if need_probs else []
         for need, wgrad, (n, k) in ((need1, wgrad1, (w, hidden)), (need2, wgrad2, (hidden, ffn))):
-            out += [torch.empty((g, n, k), dtype=dtype, device=dev)] if wgrad else []
-            out += [torch.empty((g, n), dtype=dtype, device=dev)] if need.dbias else []
+            out += [torch.empty((g, n, k), dtype=pdtype, device=dev)] if wgrad else []
+            out += [torch.empty((g, n), dtype=pdtype, device=dev)] if need.dbias else []
         return out
     main_grads = (fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"]),
                   fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"]))
     splits = op_splits(m_splits, host, g, rows, grad.device, False)
     objs["x1"] = _x1_in(objs["x1"], back, c)
     grad = _grad_in(grad, back, c)
-    dx, dprobs, w1g, b1g, w2g, b2g = mb.mlp_backward_impl(grad, objs.pop, splits, cfg, dtype, main_grads, back)
+    with autocast_off():
+        dx, dprobs, w1g, b1g, w2g, b2g = mb.mlp_backward_impl(grad, objs.pop, splits, cfg, pdtype, main_grads, back)
     out = ([dx] if need1.dgrad else []) + ([dprobs] if need_probs else [])
     out += ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
     return out + ([w2g] if wgrad2 else []) + ([b2g] if need2.dbias else [])
@@ -151,7 +153,7 @@ def fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, part, rows
         CALLS["grouped_mlp_backward"] += 1
     if part == "whole":
         return _whole(grad, saved, m_splits, host, fused1, fused2, c, cfg, key, rows, fake)
-    dtype = specs.dtype_from_name(c["dtype"])
+    pdtype = specs.dtype_from_name(c["pdtype"])  # the parameters' gradients' (da: the compute dtype)
     has_w, has_b, has_da = fc2_outputs(c, part)
     main2 = None if fake or part == "dgrad" else fused_mg.main_grads(fused2, c["fc2"]["fuse"], c["fc2"]["stacked"])
     objs = dict(zip([SAVED[i] for i in SAVED_FOR_FC2[part]],
@@ -161,8 +163,8 @@ def fc2_run(grad, saved, m_splits, host, fused1, fused2, config, key, part, rows
     (saved_obj,) = objs.values()
     del objs
     splits = op_splits(m_splits, host, c["num"], rows, grad.device, fake)
-    with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
-        out, b2g = mb.mlp_backward_fc2_part(_grad_in(grad, back, c), saved_obj, splits, cfg, dtype, part, has_b,
+    with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()), autocast_off():
+        out, b2g = mb.mlp_backward_fc2_part(_grad_in(grad, back, c), saved_obj, splits, cfg, pdtype, part, has_b,
                                              main2)
     return ([out] if has_w or has_da else []) + ([b2g] if has_b else [])
 
@@ -182,7 +184,7 @@ def act_run(da, saved, m_splits, host, config, key, rows, fake):
     foreign = [da, m_splits, *saved]
     del saved
     splits = op_splits(m_splits, host, c["num"], rows, da.device, fake)
-    with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()):
+    with sharing_offsets(), (symbolic_sizes() if fake else contextlib.nullcontext()), autocast_off():
         dh, dprobs = mb.mlp_backward_activation(da, objs.pop, splits, cfg)
         q = dh.quantized if dh is not None else None
         dh_objs = (None, None, None, None) if dh is None else (
@@ -197,7 +199,7 @@ def act_run(da, saved, m_splits, host, config, key, rows, fake):
 def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fake):
     """``lpmoe::grouped_mlp_backward_fc1``'s implementation (and fake)."""
     c = specs.parse(config)
-    dtype = specs.dtype_from_name(c["dtype"])
+    dtype, pdtype = specs.dtype_from_name(c["dtype"]), specs.dtype_from_name(c["pdtype"])
     need1 = needs_of_list(c["needs"][0])
     wgrad1 = wgrad_out(c, need1, "fc1")
     objs = dict(zip([SAVED[i] for i in SAVED_FOR[part]], saved_layout.rebuild(key, saved, 0, rows, SAVED_FOR[part])))
@@ -209,15 +211,15 @@ def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fak
         (g, w, hidden), dev = c["fc1"]["shape"], dh_flat[0].device
         if part == "dgrad":
             return [torch.empty((mlp_route.tokens_of(back, rows), hidden), dtype=dtype, device=dev)]
-        out = [torch.empty((g, w, hidden), dtype=dtype, device=dev)] if wgrad1 else []
-        return out + ([torch.empty((g, w), dtype=dtype, device=dev)] if need1.dbias else [])
+        out = [torch.empty((g, w, hidden), dtype=pdtype, device=dev)] if wgrad1 else []
+        return out + ([torch.empty((g, w), dtype=pdtype, device=dev)] if need1.dbias else [])
     CALLS["grouped_mlp_backward_fc1"] += 1
     cfg = mlp_config(c, False)
     dh_objs = saved_layout.rebuild(key + "|dh", dh_flat, 0, rows, _DH_FOR[part])
     del dh_flat
     splits = op_splits(m_splits, host, c["num"], rows, saved_obj.device if isinstance(saved_obj, Tensor) else
                        (m_splits.device if m_splits is not None else dh_objs[-1].device), False)
-    with sharing_offsets():
+    with sharing_offsets(), autocast_off():
         if part == "dgrad":
             qrow, hp = dh_objs
             del dh_objs
@@ -226,9 +228,9 @@ def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fak
         qcol, hp, dbias = dh_objs
         del dh_objs
         main1 = fused_mg.main_grads(fused1, c["fc1"]["fuse"], c["fc1"]["stacked"])
-        w1g, b1g = mb.mlp_backward_fc1_wgrad(mb.Dh(qcol, hp, dbias), _x1_in(saved_obj, back, c), splits, cfg, dtype,
-                                              main1)
-    if b1g is not None and b1g is dbias:  # the activation's fused bias gradient, already in dtype: an input
+        w1g, b1g = mb.mlp_backward_fc1_wgrad(mb.Dh(qcol, hp, dbias), _x1_in(saved_obj, back, c), splits, cfg,
+                                              pdtype, main1)
+    if b1g is not None and b1g is dbias:  # the activation's fused bias gradient, already in pdtype: an input
         b1g = b1g.clone()
     return ([w1g] if wgrad1 else []) + ([b1g] if need1.dbias else [])
 

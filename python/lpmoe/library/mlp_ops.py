@@ -22,6 +22,7 @@ from lpmoe.activation.spec import Activation
 from lpmoe.functional import mlp
 from lpmoe.functional.checks import check_recipe
 from lpmoe.functional.params import as_inputs, grads_for, is_stacked, shape_of
+from lpmoe.functional.precision import autocast_off, params_dtype
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import mlp_route, saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
@@ -56,7 +57,8 @@ def _mlp_forward(x, probs, m_splits, host, w1, b1, w2, b2, config, row_map, used
             check_recipe(recipe, x.dtype, n, k, splits, x.is_cuda, x.device)
     params = list(w1) + list(b1 or []) + list(w2) + list(b2 or [])
     source = mlp_route.forward_source(x, row_map, used_rows, rows, m_splits, route) if route else None
-    y, objs = mlp.mlp_forward_impl(x, probs, splits, params, cfg, source)
+    with autocast_off():
+        y, objs = mlp.mlp_forward_impl(x, probs, splits, params, cfg, source)
     objs = mlp_route.forward_saved(objs, source, x)
     del source
     key = config + "|" + signature(x, m_splits, w1 + w2)
@@ -236,7 +238,8 @@ def mlp_op_args(x2d, probs, m_splits, fc1, fc2, spec: Activation, recipe, is_fir
         "probs_dtype": specs.dtype_name(probs.dtype) if probs is not None else None,
         "first": is_first_microbatch, "grad": torch.is_grad_enabled(),
         "needs": [[need1.dgrad, need1.wgrad, need1.dbias], [need2.dgrad, need2.wgrad, need2.dbias], need_probs],
-        "dtype": specs.dtype_name(x2d.dtype), "routed": mlp_route.route_config(routed)})
+        "dtype": specs.dtype_name(x2d.dtype), "pdtype": specs.dtype_name(params_dtype(fc1.weights)),
+        "routed": mlp_route.route_config(routed)})
     return (x2d, probs, m_splits if tensor else None, None if tensor else [int(v) for v in m_splits],
             as_inputs(fc1.weights), as_inputs(fc1.biases), as_inputs(fc2.weights), as_inputs(fc2.biases), config,
             *mlp_route.route_args(routed))

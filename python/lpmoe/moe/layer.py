@@ -10,6 +10,7 @@ import torch
 
 from lpmoe.activation.spec import Activation
 from lpmoe.autocast import get_autocast_recipe
+from lpmoe.functional.precision import compute_input
 from lpmoe.module.grouped_mlp import GroupedMLP
 from lpmoe.moe.dispatch import CapacityAllToAll, HostSplitAllToAll, LocalDispatch
 from lpmoe.moe.expert_numbering import register_global_expert_numbering
@@ -183,7 +184,9 @@ class MoELayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be (..., {self.hidden_size}), got shape {tuple(x.shape)}")
-        tokens = x.reshape(-1, self.hidden_size)
+        # under torch.autocast the tokens are cast once here (the experts
+        # would cast them, or their k-times larger permuted rows, anyway)
+        tokens, _ = compute_input(x.reshape(-1, self.hidden_size), None)
         routed = self.router(tokens)
         cap = self.capacity(tokens.shape[0])
         disp = self._dispatcher(cap)

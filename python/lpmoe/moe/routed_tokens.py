@@ -162,5 +162,10 @@ class RoutedTokens(GatheredRows):
     def sum_rows(self, y_rows: torch.Tensor) -> torch.Tensor:
         return unpermute(y_rows, self.rmap)
 
+    def on_tokens(self, tokens: torch.Tensor) -> "RoutedTokens":
+        out = RoutedTokens(tokens, self.rmap, self.sum_to_tokens, self.save_original)
+        out._row_source = self._row_source
+        return out
+
     def for_backward(self) -> RoutingOnly:
         return RoutingOnly(self.rmap, self._row_source)

@@ -97,9 +97,10 @@ class Grad:
         return op
 
 
-def dequantized_rows(qg: GroupedTensor) -> torch.Tensor:
-    """(rows, K) high-precision values of a quantized group (its rowwise copy)."""
-    return group_dequantize(qg, qg.dtype).rowwise_data.view(qg.logical_shape)
+def dequantized_rows(qg: GroupedTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(rows, K) high-precision values of a quantized group (its rowwise
+    copy), in ``dtype`` (default: the dtype it was quantized from)."""
+    return group_dequantize(qg, qg.dtype if dtype is None else dtype).rowwise_data.view(qg.logical_shape)
 
 
 def grouped_rows(x2d: torch.Tensor, splits: torch.Tensor) -> GroupedTensor:
@@ -122,7 +123,9 @@ class LinearPolicy:
         raise NotImplementedError
 
     def dgrad_weights(self, saved_w, num: int, n: int, k: int):
-        """dgrad's weight operand from what :meth:`forward` saved."""
+        """dgrad's weight operand from what :meth:`forward` saved (saved
+        parameters are cast to the compute dtype after this, where it
+        differs: lpmoe.functional.linear_steps.dgrad_step)."""
         return saved_w
 
     def wgrad_tokens(self, saved_x, splits):

@@ -17,10 +17,10 @@ from lpmoe.quantize import group_quantize
 __all__ = ["Emulated"]
 
 
-def fake_quantize(x2d: torch.Tensor, quantizer, splits, num: int) -> torch.Tensor:
-    """Quantize then dequantize.  Rows past the splits are left
-    uninitialised: no GEMM reads them."""
-    return dequantized_rows(group_quantize(x2d, quantizer, num_tensors=num, first_dims=splits))
+def fake_quantize(x2d: torch.Tensor, quantizer, splits, num: int, dtype=None) -> torch.Tensor:
+    """Quantize then dequantize (into ``dtype``, default x2d's).  Rows past
+    the splits are left uninitialised: no GEMM reads them."""
+    return dequantized_rows(group_quantize(x2d, quantizer, num_tensors=num, first_dims=splits), dtype)
 
 
 class Emulated(LinearPolicy):
@@ -31,8 +31,9 @@ class Emulated(LinearPolicy):
     def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
         g, n, k = weights.shape
         x_hat = fake_quantize(x.hp, recipe_quantizer(self.recipe, "input", True, False), splits.device, g)
+        # (quantized from the parameters' own dtype, dequantized into the compute dtype)
         w_hat = fake_quantize(weights.stacked(), recipe_quantizer(self.recipe, "weight", True, False),
-                              None, g).view(g, n, k)
+                              None, g, x.hp.dtype).view(g, n, k)
         hp = self.recipe.backward_override == "high_precision"
         saved_x, saved_w = (x.hp, weights.params) if hp else (x_hat, w_hat)
         return Forward(x=grouped_rows(x_hat, splits.device), w=w_hat, saved_x=saved_x if need.wgrad else None,

@@ -1,4 +1,5 @@
-"""No recipe: every GEMM in the input dtype."""
+"""No recipe: every GEMM in the input dtype (the compute dtype: under
+torch.autocast the parameters are cast to it, lpmoe.functional.precision)."""
 from __future__ import annotations
 
 from lpmoe.policy.base import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
@@ -7,11 +8,13 @@ __all__ = ["HighPrecision"]
 
 
 class HighPrecision(LinearPolicy):
-    """x and W are used as given; the backward keeps x (for wgrad) and the
-    parameters (for dgrad) and reads dy as it comes."""
+    """x and W are used as given (W cast to the compute dtype if it has
+    another); the backward keeps x (for wgrad) and the parameters (for
+    dgrad, cast again there rather than keeping a cast copy) and reads dy
+    as it comes."""
 
     def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
-        return Forward(x=grouped_rows(x.hp, splits.device), w=weights.params,
+        return Forward(x=grouped_rows(x.hp, splits.device), w=weights.operand(),
                        saved_x=x.hp if need.wgrad else None, saved_w=weights.params if need.dgrad else None)
 
     def grad(self, dy, splits, need: Needs) -> Grad:
