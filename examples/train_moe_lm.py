@@ -14,7 +14,10 @@ activation), fed with device-side expert counts (the graph-safe path).
 Both runs of a seed start from the same weights and see the same batches
 (non-overlapping windows, each at most once per pass); only the experts'
 GEMMs differ (lpmoe.autocast(Float8BlockScaling()) for FP8).  Parameters are
-bf16 with fp32 master weights in the optimizer.  Prints the loss and
+bf16 with fp32 master weights in the optimizer, or with ``--params fp32``
+fp32 trained in place under torch.autocast(bfloat16) (PyTorch's usual mixed
+precision; lpmoe then quantizes the experts' weights straight from fp32 and
+writes fp32 weight gradients).  Prints the loss and
 tokens/s, the FP8/BF16 gap of the final validation loss (the whole held-out
 text) per seed beside BF16's spread across seeds, and writes a PNG of the
 loss curves.
@@ -112,12 +115,12 @@ class Windows:
 class MoE(nn.Module):
     """Top-k router in plain PyTorch around lpmoe.GroupedMLP experts."""
 
-    def __init__(self, d: int, ffn: int, experts: int, top_k: int, device):
+    def __init__(self, d: int, ffn: int, experts: int, top_k: int, device, params_dtype=torch.bfloat16):
         super().__init__()
         self.experts_n, self.top_k = experts, top_k
         self.router = nn.Linear(d, experts, bias=False, device=device)
         self.experts = lpmoe.GroupedMLP(experts, d, ffn, activation="swiglu", device=device,
-                                        params_dtype=torch.bfloat16)
+                                        params_dtype=params_dtype)
 
     def forward(self, x):
         shape = x.shape
@@ -152,14 +155,14 @@ def rotary(q: torch.Tensor, k: torch.Tensor) -> tuple:
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, ffn, experts, top_k, device, rope=False):
+    def __init__(self, d, heads, ffn, experts, top_k, device, rope=False, params_dtype=torch.bfloat16):
         super().__init__()
         self.heads, self.rope = heads, rope
         self.norm1 = nn.RMSNorm(d, device=device)
         self.qkv = nn.Linear(d, 3 * d, bias=False, device=device)
         self.proj = nn.Linear(d, d, bias=False, device=device)
         self.norm2 = nn.RMSNorm(d, device=device)
-        self.moe = MoE(d, ffn, experts, top_k, device)
+        self.moe = MoE(d, ffn, experts, top_k, device, params_dtype)
 
     def forward(self, x):
         b, s, d = x.shape
@@ -185,8 +188,9 @@ class MoELM(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
         self.pos = (nn.Parameter(torch.randn(args.seq, args.d_model, device=device) * 0.02)
                     if args.pos == "learned" else None)
+        pdtype = torch.float32 if args.params == "fp32" else torch.bfloat16
         self.blocks = nn.ModuleList(Block(args.d_model, args.heads, args.ffn, args.experts, args.top_k, device,
-                                          rope=args.pos == "rope") for _ in range(args.layers))
+                                          rope=args.pos == "rope", params_dtype=pdtype) for _ in range(args.layers))
         self.norm = nn.RMSNorm(args.d_model, device=device)
         self.head = nn.Linear(args.d_model, 256, bias=False, device=device)
 
@@ -222,11 +226,34 @@ class MasterAdamW:
                 p.grad = None
 
 
+class AmpAdamW:
+    """AdamW on fp32 parameters themselves (--params fp32, torch.autocast):
+    PyTorch's usual mixed precision, no master copies."""
+
+    def __init__(self, params, lr, weight_decay=0.1):
+        self.params = [p for p in params if p.requires_grad]
+        fused = self.params[0].is_cuda
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
+
+    def step(self, lr):
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
 # ---------------------------------------------------------------- training
 def train(args, label, recipe, seed, train_data, val_data, device) -> Dict[str, List]:
     torch.manual_seed(seed)
-    model = MoELM(args, device).to(torch.bfloat16)
-    opt = MasterAdamW(model.parameters(), args.lr)
+    amp = args.params == "fp32"  # fp32 parameters, bf16 compute under torch.autocast
+    model = MoELM(args, device)
+    if amp:
+        opt = AmpAdamW(model.parameters(), args.lr)
+    else:
+        model = model.to(torch.bfloat16)
+        opt = MasterAdamW(model.parameters(), args.lr)
+    mixed = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)  # noqa: E731
     batches = Windows(train_data, args.batch, args.seq, torch.Generator().manual_seed(seed + 1), device)
     val = Windows(val_data, args.batch, args.seq, None, device)   # every validation window, in file order
     val_batches = [val.next() for _ in range(len(val) if args.eval_batches <= 0 else min(args.eval_batches, len(val)))]
@@ -237,7 +264,7 @@ def train(args, label, recipe, seed, train_data, val_data, device) -> Dict[str, 
         lr = args.lr * min(1.0, step / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
         x, y = batches.next()
         t0 = time.perf_counter()
-        with lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
+        with mixed(), lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
             logits, aux = model(x)
             loss = F.cross_entropy(logits.view(-1, 256), y.reshape(-1))
             (loss + args.aux_coeff * aux).backward()
@@ -249,7 +276,7 @@ def train(args, label, recipe, seed, train_data, val_data, device) -> Dict[str, 
         hist["step"].append(step)
         hist["train"].append(float(loss.detach()))
         if step % args.eval_every == 0 or step == args.steps:
-            with torch.no_grad(), lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
+            with torch.no_grad(), mixed(), lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
                 vl = sum(float(F.cross_entropy(model(vx)[0].view(-1, 256), vy.reshape(-1)))
                          for vx, vy in val_batches) / len(val_batches)
             hist["val_step"].append(step)
@@ -283,6 +310,9 @@ def parse_args(argv: Optional[List[str]] = None):
     p.add_argument("--data-mb", type=float, default=32.0, help="read at most this much source text")
     p.add_argument("--seeds", default="0", help="comma-separated; each seed trains every recipe")
     p.add_argument("--recipes", default="bf16,fp8", help="comma-separated: bf16, fp8, fp8-hp-backward, bf16-repeat")
+    p.add_argument("--params", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 parameters with fp32 master copies in the optimizer, or fp32 parameters "
+                        "trained under torch.autocast(bfloat16) with a plain AdamW")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plot", default="moe_lm_loss.png", help="PNG path ('' to skip)")
     p.add_argument("--json", default="", help="also write every run's history here (to pool seeds run as processes)")

@@ -2,6 +2,7 @@
 import importlib.util
 
 import pytest
+import torch
 
 from conftest import load_example as _load
 
@@ -24,6 +25,22 @@ def test_train_moe_lm_smoke(tmp_path):
         assert png.stat().st_size > 10_000
     else:
         assert not png.exists()
+
+
+def test_train_moe_lm_fp32_params_under_autocast(tmp_path):
+    """--params fp32: fp32 parameters trained in place under
+    torch.autocast(bfloat16) with a plain AdamW; BF16 and FP8 both learn
+    and stay close, and the experts' parameters stay fp32."""
+    lm = _load("train_moe_lm")
+    args = ["--steps", "30", "--batch", "4", "--seq", "64", "--layers", "1", "--d-model", "64", "--heads", "2",
+            "--ffn", "128", "--experts", "4", "--warmup", "5", "--lr", "3e-3", "--eval-every", "15",
+            "--eval-batches", "2", "--data-mb", "1", "--device", "cpu", "--plot", "", "--params", "fp32"]
+    hists = lm.main(args)
+    for h in hists.values():
+        assert h["val"][-1] < 0.8 * 5.545
+    assert abs(hists["fp8"]["val"][-1] / hists["bf16"]["val"][-1] - 1) < 0.05
+    model = lm.MoELM(lm.parse_args(args), torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_train_moe_lm_pools_seeds_from_processes(tmp_path, capsys):
