@@ -144,12 +144,15 @@ class _GroupedMLP(torch.autograd.Function):
         # saved as the tokens; the map is ctx.source.
         ctx.x1_from_source = isinstance(x1, GatheredRows)
         x1 = x1.tokens if ctx.x1_from_source else x1
-        copies = {k: o for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2)) if isinstance(o, GroupedTensor)}
+        w1, _, used = split_params(params, cfg.fc1)
+        w2, _, _ = split_params(params[used:], cfg.fc2)
+        # copies: quantized operands, and weights cast to the compute dtype (torch.autocast)
+        copies = {k: o for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2))
+                  if isinstance(o, GroupedTensor) or (k != "x1" and isinstance(o, torch.Tensor)
+                                                      and o is not (w1 if k == "w1" else w2))}
         saved.save(ctx, *(None if k in copies else o for k, o in (("x1", x1), ("w1", w1s), ("p", p), ("w2", sw2))))
         saved.hold(ctx, h=h, x2=sx2, **{k: copies.get(k) for k in ("x1", "w1", "w2")})
         ctx.cfg, ctx.splits = cfg, splits
-        w1, _, used = split_params(params, cfg.fc1)
-        w2, _, _ = split_params(params[used:], cfg.fc2)
         ctx.main_grads = (w1 if cfg.fc1.fuse_wgrad_accumulation else None,
                           w2 if cfg.fc2.fuse_wgrad_accumulation else None)
         ctx.dtype = params[0].dtype  # the parameters' gradients' (dx comes in x's, the compute dtype)

@@ -85,7 +85,7 @@ def as_compute(params, dtype: torch.dtype):
         return params
     if params[0].dim() == 2:  # a view when the weights sit back to back (GroupedLinear's do)
         g, (n, k) = len(params), params[0].shape
-        return stack_weights(params).to(dtype).view(g, n, k)
+        return stack_weights(params).view(g, n, k).to(dtype)  # (a tensor of its own, not a view)
     return torch.stack([p.detach() for p in params]).to(dtype)
 
 

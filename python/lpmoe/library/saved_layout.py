@@ -51,8 +51,10 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "stage_slots", "LAYOUTS", "CA
 #: another width carry derived element offsets instead of views; 7: the MLP
 #: op saves the map of routed tokens, and fc1 may keep its input; 8: a
 #: large MLP's backward runs each of fc2's GEMMs and the activation as its
-#: own op, and the backward op takes a part name instead of ``whole``).
-FORMAT = 8
+#: own op, and the backward op takes a part name instead of ``whole``; 9:
+#: the configurations carry the parameters' dtype, and a high-precision
+#: layer under torch.autocast saves its weights' cast copy).
+FORMAT = 9
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}
