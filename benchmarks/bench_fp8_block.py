@@ -40,6 +40,11 @@ def case_ops(tokens, k, n, skewed):
                                2 * elems + 2 * elems + scale1)
     ops["quant 2D row+col"] = (lambda: lpmoe.group_quantize(x, q2, n, first_dims=fd, output=out2),
                                2 * elems + 2 * elems)
+    # fp32 weights quantized straight from fp32 (fp32 parameters under torch.autocast)
+    x32 = x.float()
+    out2f = lpmoe.group_quantize(x32, q2, n, first_dims=fd)
+    ops["quant 2D row+col fp32 in"] = (lambda: lpmoe.group_quantize(x32, q2, n, first_dims=fd, output=out2f),
+                                       4 * elems + 2 * elems)
     ops["quant 1D + dbias"] = (lambda: lpmoe.group_quantize_dbias(x, q1, n, first_dims=fd, output=out1),
                                2 * elems + 2 * elems + scale1 + 2 * 4 * (tokens // 128 + n) * k)
     qr = Float8BlockQuantizer(block_dim=1, columnwise=False)

@@ -159,6 +159,46 @@ def expert_parallel_fp8_experts(rank, world, port, device="cuda"):
     dist.destroy_process_group()
 
 
+def expert_parallel_amp(rank, world, port, device="cpu"):
+    """fp32 parameters under torch.autocast(bfloat16), FP8 experts, both
+    exchanges (exact host splits and the capacity path): EP=world vs the
+    whole layer on each rank's tokens, the router's and the experts' fp32
+    gradients included (the exchange moves the layer's bf16 rows; each
+    expert sees the same rows, grouped differently)."""
+    from lpmoe.recipe import Float8BlockScaling
+    dev = _init(rank, world, port, device)
+    h, f, e = 256, 128, 4
+    g = torch.Generator().manual_seed(500 + rank)
+    x = torch.randn(64, h, generator=g).to(dev)   # an fp32 residual stream
+    w = torch.randn(64, h, generator=g).to(dev)
+    for cf in (None, 2.0):
+        torch.manual_seed(0)
+        full = lpmoe.moe.MoELayer(h, f, e, K, device=dev, params_dtype=torch.float32, capacity_factor=cf)
+        ep = lpmoe.moe.MoELayer(h, f, e, K, ep_group=dist.group.WORLD, device=dev, params_dtype=torch.float32,
+                                capacity_factor=cf)
+        ep.load_state_dict(full.state_dict())
+        with torch.autocast(dev.type, dtype=torch.bfloat16), lpmoe.autocast(recipe=Float8BlockScaling()):
+            y_ref, dx_ref = _step(full, x, w)
+            y_ep, dx_ep = _step(ep, x, w)
+        for t in (y_ref, y_ep):
+            if t.dtype != torch.bfloat16:
+                raise AssertionError(f"output dtype {t.dtype}, expected bf16 (autocast's)")
+        if dx_ep.dtype != torch.float32 or any(p.grad.dtype != torch.float32 for p in ep.parameters()):
+            raise AssertionError("gradients of the fp32 input and parameters must be fp32")
+        _close(y_ep, y_ref, "output", 1e-2, True)
+        _close(dx_ep, dx_ref, "input gradient", 5e-2, True)
+        _close(ep.router.weight.grad, full.router.weight.grad, "router gradient", 5e-2, True)
+        el = e // world
+        for p in full.experts.parameters():
+            dist.all_reduce(p.grad)
+        for fc in ("linear_fc1", "linear_fc2"):
+            for i in range(el):
+                ref = getattr(full.experts, fc).get_parameter(f"weight{rank * el + i}").grad
+                _close(getattr(ep.experts, fc).get_parameter(f"weight{i}").grad, ref, f"{fc} expert {i} gradient",
+                       5e-2, True)
+    dist.destroy_process_group()
+
+
 def data_parallel(rank, world, port, mode, device="cpu"):
     dev = _init(rank, world, port, device)
     dtype, tol = (torch.float32, 1e-4) if device == "cpu" else (torch.bfloat16, 2e-2)

@@ -345,3 +345,28 @@ def test_moe_layer_with_fp32_params(device):
             results.append([y, xx.grad] + [p.grad for p in moe.parameters()])
     names = ["y", "dx"] + [n for n, _ in moe.named_parameters()]
     assert [n for n, a, b in zip(names, *results) if not torch.equal(a, b)] == []
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fp16_autocast_computes_in_fp16(device):
+    """torch.autocast(float16) with fp32 parameters (GradScaler's setting),
+    no recipe: the fp16 layer's y and dx on the cast parameters, fp32
+    weight gradients from the GEMM's fp32 accumulator."""
+    m = fp32_layer(device)
+    x = torch.randn(sum(SPLITS), K, device=device)
+    dy = torch.randn(x.shape[0], N, device=device, dtype=torch.float16)
+    xx = x.clone().requires_grad_(True)
+    with torch.autocast(device, dtype=torch.float16):
+        y = m(xx, splits_on(device))
+    y.backward(dy)
+    ref = lpmoe.GroupedLinear(G, K, N, bias=True, params_dtype=torch.float16, device=device)
+    ref.load_state_dict({k: v.half() for k, v in m.state_dict().items()})
+    xh = x.half().requires_grad_(True)
+    y_ref = ref(xh, splits_on(device))
+    y_ref.backward(dy)
+    assert y.dtype == torch.float16 and torch.equal(y, y_ref)
+    assert torch.equal(xx.grad, xh.grad.float())
+    sd = torch.tensor(SPLITS, device=device)
+    dw_ref = lpmoe.grouped_gemm(grouped_rows(dy, sd), grouped_rows(xh.detach(), sd), kind="wgrad",
+                                out_dtype=torch.float32)
+    assert torch.equal(torch.stack(grads(m)[0]), dw_ref)

@@ -235,6 +235,11 @@ def test_expert_parallel_two_ranks_equals_one(mode):
     _spawn(_moe_dist_worker.expert_parallel, mode)
 
 
+def test_expert_parallel_fp32_params_under_autocast():
+    import _moe_dist_worker
+    _spawn(_moe_dist_worker.expert_parallel_amp)
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_data_parallel_grads_equal_single_process(mode):
     import _moe_dist_worker
@@ -268,6 +273,12 @@ requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ne
 def test_gpu_expert_parallel_nccl_equals_one(mode):
     import _moe_dist_worker
     _spawn(_moe_dist_worker.expert_parallel, mode, "cuda")
+
+
+@requires_two_gpus
+def test_gpu_expert_parallel_nccl_fp32_params_under_autocast():
+    import _moe_dist_worker
+    _spawn(_moe_dist_worker.expert_parallel_amp, "cuda")
 
 
 @requires_two_gpus

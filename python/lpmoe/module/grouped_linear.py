@@ -57,8 +57,12 @@ class GroupedLinear(torch.nn.Module):
         num_gemms: number of experts G.
         in_features, out_features: per-expert sizes.
         bias: learn per-expert biases.
-        params_dtype: parameter dtype (default ``torch.get_default_dtype()``);
-            FP8 block scaling needs bf16.
+        params_dtype: parameter dtype (default ``torch.get_default_dtype()``).
+            The layer computes in its input's dtype, which the parameters
+            must have, or under ``torch.autocast`` in autocast's dtype from
+            parameters of any float dtype (fp32 parameters, bf16 compute;
+            FP8 block scaling computes in bf16:
+            lpmoe.functional.precision).
         device: where the parameters live; ``"cpu"`` runs lpmoe's reference
             GEMMs with the GPU path's numerics.
         init_method: ``init_method(weight)`` initialises each weight in
