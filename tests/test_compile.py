@@ -160,6 +160,26 @@ def test_compile_staged_backward_with_dynamic_rows_cpu(recipe, monkeypatch):
         assert layer_ops.CALLS["grouped_mlp_backward_fc1"] == before["grouped_mlp_backward_fc1"] + 2
 
 
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8BlockScaling(backward_override="dequantized")],
+                         ids=["fp8", "fp8_dequantized_backward"])
+def test_compile_staged_backward_with_list_splits_cpu(recipe, monkeypatch):
+    """The staged backward with host splits (a list): fc1's dgrad op holds
+    only the weights' copy and dh's rowwise operands, and takes its device
+    from them (it read a missing bias gradient's before).  Bitwise equal
+    to eager, both GEMM orders."""
+    _no_compile_caches()
+    monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0)
+    for values in ([32, 0, 64, 16], [300, 100, 200, 40]):
+        torch._dynamo.reset()
+        mlp = lpmoe.GroupedMLP(4, 128, 64, params_dtype=torch.bfloat16, device="cpu")
+        c = torch.compile(mlp, fullgraph=True)
+        rows = sum(values)
+        x, probs = _x(rows), torch.rand(rows)
+        before = dict(layer_ops.CALLS)
+        _assert_equal(_run(c, x, values, probs, recipe), _run(mlp, x, values, probs, recipe))
+        assert layer_ops.CALLS["grouped_mlp_backward_fc1"] == before["grouped_mlp_backward_fc1"] + 2
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=repr)
 def test_compile_every_recipe_cpu(recipe):
     """Every recipe and backward_override through the compiled MLP (biases,

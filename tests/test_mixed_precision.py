@@ -370,3 +370,51 @@ def test_fp16_autocast_computes_in_fp16(device):
     dw_ref = lpmoe.grouped_gemm(grouped_rows(dy, sd), grouped_rows(xh.detach(), sd), kind="wgrad",
                                 out_dtype=torch.float32)
     assert torch.equal(torch.stack(grads(m)[0]), dw_ref)
+
+
+def _saved_shapes(fn):
+    """(dtype, shape) of every tensor autograd saves while fn runs."""
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (seen.append((t.dtype, tuple(t.shape))), t)[1],
+                                                  lambda t: t):
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("mlp", [False, True], ids=["linear", "mlp"])
+def test_save_original_input_never_keeps_the_cast_copy_cpu(mlp):
+    """save_original_input keeps the caller's input; under autocast an fp32
+    input is cast first, and that copy (the layer's own) is not kept: the
+    layer keeps x's FP8 copy, as without the option."""
+    torch.manual_seed(0)
+    make = (lambda s: lpmoe.GroupedMLP(G, K, N, params_dtype=torch.float32, device="cpu", save_original_input=s)) \
+        if mlp else (lambda s: lpmoe.GroupedLinear(G, K, N, params_dtype=torch.float32, device="cpu",
+                                                  save_original_input=s))
+    kept = {}
+    for keep in (False, True):
+        m = make(keep)
+        for x in (torch.randn(sum(SPLITS), K), torch.randn(sum(SPLITS), K, dtype=BF16)):
+            x.requires_grad_(True)
+
+            def fwd():
+                with torch.autocast("cpu", dtype=BF16), lpmoe.autocast(recipe=Float8BlockScaling()):
+                    m(x, SPLITS)
+            kept[(keep, x.dtype)] = _saved_shapes(fwd)
+    rows_bf16 = (BF16, (sum(SPLITS), K))
+    assert rows_bf16 not in kept[(True, torch.float32)] and kept[(True, torch.float32)] == kept[(False, torch.float32)]
+    assert rows_bf16 in kept[(True, BF16)]  # (a bf16 input is the caller's own: kept by reference)
+
+
+def test_emulated_mlp_saves_its_dequantized_weights_as_before_cpu():
+    """Without autocast, the emulated recipes' dequantized weights still go
+    through save_for_backward (saved-tensor hooks see them); only copies in
+    another dtype than the parameters' are held outside it."""
+    torch.manual_seed(0)
+    m = lpmoe.GroupedMLP(G, 128, 128, params_dtype=BF16, device="cpu")
+    x = torch.randn(128, 128, dtype=BF16, requires_grad=True)
+
+    def fwd():
+        with lpmoe.autocast(recipe=MXFP8BlockScaling()):
+            m(x, [32] * G)
+    seen = _saved_shapes(fwd)
+    assert (BF16, (G, 256, 128)) in seen and (BF16, (G, 128, 128)) in seen

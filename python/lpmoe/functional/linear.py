@@ -207,6 +207,7 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
     FP8 tensors) raise TypeError: pass the high-precision activations.
     """
     inp, m_splits = ready(inp), ready(m_splits)
+    caller_inp = inp
     inp, param_dtype = compute_input(inp, weights)  # under torch.autocast: cast to its dtype (precision.py)
     g, n, k = check_params(inp, weights, biases, param_dtype)
     if recipe is None:
@@ -223,7 +224,8 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
             raise TypeError(f"{name} must be a bool, got {v!r}")
     grad_enabled = torch.is_grad_enabled()
     need = needs_of(inp, weights, biases, grad_enabled)
-    keep = save_original_input and inp.is_contiguous()  # (else the copy made here would be kept)
+    # (else a copy made here, contiguous or cast, would be kept: not the caller's)
+    keep = save_original_input and inp.is_contiguous() and inp is caller_inp
     if tracing():
         check_recipe(recipe, inp.dtype, n, k, splits_for_checks(m_splits, g, x2d.shape[0], inp.device), inp.is_cuda,
                      inp.device)

@@ -49,8 +49,8 @@ def dgrad_step(policy: LinearPolicy, grad: Grad, saved_w, splits, shape: Tuple[i
     policy quantizes per direction), so that copy dies with this GEMM."""
     g, n, k = shape
     dy = grad.take("dgrad")
-    w = policy.dgrad_weights(saved_w, g, n, k)
-    if not dy.is_quantized:  # saved parameters of another dtype (torch.autocast): cast now, not kept cast
+    w = policy.dgrad_weights(saved_w, g, n, k, None if dy.is_quantized else dy.dtype)
+    if not dy.is_quantized:  # saved parameters of another dtype (torch.autocast): cast now
         w = as_compute(w, dy.dtype)
     return grouped_gemm(dy, w, kind="dgrad", m_splits=splits.host)
 
@@ -99,7 +99,8 @@ def one_gemm_step(policy: LinearPolicy, grad: Grad, saved, splits, need: Needs, 
     return out, bias_step(grad, splits, need, dtype)
 
 
-def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads, weights_cached: bool = False) -> bool:
+def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads, weights_cached: bool = False,
+                param_dtype: Optional[torch.dtype] = None) -> bool:
     """Whether a layer's dgrad runs before its wgrad.  Run first, wgrad
     frees x's transposed copy (rows x K) before dx (2 bytes each) is made;
     run first, dgrad frees W's transposed copy (G x N x K) before the weight
@@ -109,13 +110,16 @@ def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads, weigh
     at 8k tokens, top-8, holds 1.3 GB less); never when the weight
     gradient is added into main_grad (nothing is allocated for it), dgrad
     reads the weights themselves, or the copy is a weight cache's (no copy
-    that dies with dgrad)."""
+    that dies with dgrad).  A copy is a quantized one, or the weights made
+    in the compute dtype from parameters of another (``param_dtype``,
+    torch.autocast)."""
     if saved_x is None:
         return False
     rows = saved_x.num_rows if isinstance(saved_x, GatheredRows) else (
         saved_x.logical_shape[0] if isinstance(saved_x, GroupedTensor) else saved_x.shape[0])
-    return dgrad_first_by_size(rows, shape, isinstance(saved_w, GroupedTensor) and not weights_cached,
-                               main_grads is not None)
+    copy = isinstance(saved_w, GroupedTensor) or (
+        isinstance(saved_w, torch.Tensor) and param_dtype is not None and saved_w.dtype != param_dtype)
+    return dgrad_first_by_size(rows, shape, copy and not weights_cached, main_grads is not None)
 
 
 def dgrad_first_by_size(rows, shape: Tuple[int, int, int], frees_weight_copy: bool, into_main_grad: bool) -> bool:
@@ -140,7 +144,7 @@ def backward_steps(policy: LinearPolicy, grad: Grad, saved_x, saved_w, splits, n
     ``dx_to``: applied to dx as soon as it is made (routed rows summed back
     to their tokens: the rows' gradient then dies before a wgrad that runs
     second)."""
-    first = need.dgrad and need.wgrad and dgrad_first(saved_x, saved_w, shape, main_grads, weights_cached)
+    first = need.dgrad and need.wgrad and dgrad_first(saved_x, saved_w, shape, main_grads, weights_cached, dtype)
     dx = None
     if first:
         dx = dgrad_step(policy, grad, saved_w, splits, shape)

@@ -146,10 +146,11 @@ class _GroupedMLP(torch.autograd.Function):
         x1 = x1.tokens if ctx.x1_from_source else x1
         w1, _, used = split_params(params, cfg.fc1)
         w2, _, _ = split_params(params[used:], cfg.fc2)
-        # copies: quantized operands, and weights cast to the compute dtype (torch.autocast)
+        # copies: quantized operands, and weights made in the compute dtype
+        # from parameters of another (torch.autocast: precision.py)
+        pdtype = params[0].dtype
         copies = {k: o for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2))
-                  if isinstance(o, GroupedTensor) or (k != "x1" and isinstance(o, torch.Tensor)
-                                                      and o is not (w1 if k == "w1" else w2))}
+                  if isinstance(o, GroupedTensor) or (k != "x1" and isinstance(o, torch.Tensor) and o.dtype != pdtype)}
         saved.save(ctx, *(None if k in copies else o for k, o in (("x1", x1), ("w1", w1s), ("p", p), ("w2", sw2))))
         saved.hold(ctx, h=h, x2=sx2, **{k: copies.get(k) for k in ("x1", "w1", "w2")})
         ctx.cfg, ctx.splits = cfg, splits
@@ -247,8 +248,10 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
         m_splits = source.m_splits
     inp, m_splits, probs = ready(inp), ready(m_splits), ready(probs)
     fc1, fc2 = check_layer(fc1, "fc1"), check_layer(fc2, "fc2")
+    caller_inp = inp
     inp, param_dtype = compute_input(inp, fc1.weights)  # under torch.autocast: cast to its dtype (precision.py)
-    if routed is not None and inp is not routed.tokens:
+    cast = inp is not caller_inp  # a copy of the caller's tokens: never the "original" fc1 may keep
+    if routed is not None and cast:
         routed = source = routed.on_tokens(inp)
     spec = parse_activation(activation)
     g, w, hidden = check_params(inp, fc1.weights, fc1.biases, param_dtype)
@@ -277,9 +280,9 @@ def grouped_mlp(inp: Union[torch.Tensor, GatheredRows], m_splits, fc1: LayerPara
     # (rows made here for a recipe that does not gather, or a copy of a
     # non-contiguous input, would cost more than the FP8 copy they replace)
     if routed is not None:
-        keep1 = source is not None and (fc1.save_original_input or routed.save_original)
+        keep1 = source is not None and (fc1.save_original_input or routed.save_original) and not cast
     else:
-        keep1 = fc1.save_original_input and inp.is_contiguous()
+        keep1 = fc1.save_original_input and inp.is_contiguous() and not cast
     if traced:  # (the op counts its own runs: lpmoe.library.layer_ops.CALLS)
         out = OPS["grouped_mlp"](x2d.contiguous(), p, m_splits, fc1, fc2, spec, recipe, is_first_microbatch, needs,
                                  source, keep1)

@@ -11,7 +11,8 @@ dtype is the autocast dtype and the parameters may be of any float dtype
 * a recipe quantizes the weights straight from the parameters (an fp32
   weight goes to FP8 in one rounding, without a bf16 copy in between); a
   high-precision GEMM reads them cast to the compute dtype (one cast of all
-  experts per call, made again for dgrad rather than kept);
+  experts per call; fprop's cast is kept for dgrad, as a quantized copy is,
+  and the fused MLP drops it right after dgrad);
 * biases are cast to the compute dtype for the forward's epilogue (as
   lpmoe.grouped_gemm does with any bias);
 * weight gradients are written by the wgrad GEMM in the parameters' dtype

@@ -175,7 +175,8 @@ class WeightSource:
 
     def operand(self):
         """The weights as a high-precision GEMM reads them: the parameters,
-        or one stacked cast to :attr:`compute_dtype` (made per call, not kept)."""
+        or one stacked cast to :attr:`compute_dtype` (made per call; never
+        cached across calls)."""
         from lpmoe.functional.precision import as_compute
         return as_compute(self.params, self.compute_dtype)
 

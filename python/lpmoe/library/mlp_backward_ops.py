@@ -59,8 +59,9 @@ def dgrad_first_of(c: dict, key: str, rows, layer: str) -> bool:
     and the saved layout (a weight copy the backward frees, not a cache's)."""
     w = saved_layout.LAYOUTS[key][SAVED.index("w1" if layer == "fc1" else "w2")]
     cached = c[layer]["cache"] >= 0  # (layer_common.cache_key: a key only for a cache in use)
-    return dgrad_first_by_size(rows, tuple(c[layer]["shape"]), w[0] == "g" and not cached,
-                               c[layer]["fuse"] is not None)
+    # a copy: quantized, or made in the compute dtype from parameters of another (torch.autocast)
+    copy = w[0] == "g" or (w[0] == "t" and w[1][0] != "in" and c["pdtype"] != c["dtype"])
+    return dgrad_first_by_size(rows, tuple(c[layer]["shape"]), copy and not cached, c[layer]["fuse"] is not None)
 
 
 def fc2_parts(c: dict, key: str, rows) -> list:
@@ -217,8 +218,10 @@ def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fak
     cfg = mlp_config(c, False)
     dh_objs = saved_layout.rebuild(key + "|dh", dh_flat, 0, rows, _DH_FOR[part])
     del dh_flat
-    splits = op_splits(m_splits, host, c["num"], rows, saved_obj.device if isinstance(saved_obj, Tensor) else
-                       (m_splits.device if m_splits is not None else dh_objs[-1].device), False)
+    # (the device from whatever tensor this part has: with host splits the
+    # dgrad part holds only the weights' copy and dh's rowwise operands)
+    dev = next(t.device for t in (saved_obj, m_splits, *dh_objs) if t is not None)
+    splits = op_splits(m_splits, host, c["num"], rows, dev, False)
     with sharing_offsets(), autocast_off():
         if part == "dgrad":
             qrow, hp = dh_objs

@@ -187,6 +187,7 @@ class MoELayer(torch.nn.Module):
         # under torch.autocast the tokens are cast once here (the experts
         # would cast them, or their k-times larger permuted rows, anyway)
         tokens, _ = compute_input(x.reshape(-1, self.hidden_size), None)
+        cast = tokens.dtype != x.dtype  # the layer's own copy: not an original fc1 may keep
         routed = self.router(tokens)
         cap = self.capacity(tokens.shape[0])
         disp = self._dispatcher(cap)
@@ -197,7 +198,8 @@ class MoELayer(torch.nn.Module):
             # outputs back to the tokens: under FP8 block scaling fc1's input
             # and fc2's output gradient are quantized as they are gathered,
             # so neither bf16 (rows, H) buffer is made (lpmoe.moe.routed_tokens).
-            out = self.experts(RoutedTokens(tokens, rmap, sum_to_tokens=True, save_original=self.save_original_input),
+            out = self.experts(RoutedTokens(tokens, rmap, sum_to_tokens=True,
+                                            save_original=self.save_original_input and not cast),
                                None, probs=probs, is_first_microbatch=is_first_microbatch)
         else:
             grouped = disp.dispatch(permute_rows(tokens, rmap), probs, rmap)

@@ -122,10 +122,11 @@ class LinearPolicy:
     def grad(self, dy: torch.Tensor, splits, need: Needs) -> Grad:
         raise NotImplementedError
 
-    def dgrad_weights(self, saved_w, num: int, n: int, k: int):
-        """dgrad's weight operand from what :meth:`forward` saved (saved
-        parameters are cast to the compute dtype after this, where it
-        differs: lpmoe.functional.linear_steps.dgrad_step)."""
+    def dgrad_weights(self, saved_w, num: int, n: int, k: int, dtype: Optional[torch.dtype] = None):
+        """dgrad's weight operand from what :meth:`forward` saved; ``dtype``:
+        the compute dtype of a high-precision dgrad (None: FP8 operands).
+        Saved parameters of another dtype are cast to it after this
+        (lpmoe.functional.linear_steps.dgrad_step)."""
         return saved_w
 
     def wgrad_tokens(self, saved_x, splits):

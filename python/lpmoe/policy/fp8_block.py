@@ -161,8 +161,8 @@ class Fp8BlockDequantizedBackward(_Fp8Forward):
     def input_quantizer(self, need: Needs) -> Float8BlockQuantizer:
         return self.quantizer("input", True, False)
 
-    def dgrad_weights(self, saved_w, num: int, n: int, k: int):
-        return dequantized_rows(saved_w).view(num, n, k)
+    def dgrad_weights(self, saved_w, num: int, n: int, k: int, dtype=None):
+        return dequantized_rows(saved_w, dtype).view(num, n, k)  # (straight into the compute dtype)
 
     def wgrad_tokens(self, saved_x, splits):
         return grouped_rows(dequantized_rows(saved_x), splits.device)
