@@ -197,6 +197,19 @@ def act_run(da, saved, m_splits, host, config, key, rows, fake):
     return ([dprobs] if need_probs else []) + dh_flat
 
 
+def _device_of(*objs) -> torch.device:
+    """The device of the first of ``objs`` that has one (a tensor, a
+    GroupedTensor or a non-empty list of tensors): with host splits the
+    dgrad part of fc1 holds only the weights (a copy or the parameters)
+    and dh's rowwise operands."""
+    for o in objs:
+        if isinstance(o, (list, tuple)):
+            o = o[0] if o else None
+        if o is not None:
+            return o.device
+    raise RuntimeError("lpmoe: a backward op without any tensor to place its work")
+
+
 def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fake):
     """``lpmoe::grouped_mlp_backward_fc1``'s implementation (and fake)."""
     c = specs.parse(config)
@@ -218,10 +231,7 @@ def fc1_run(dh_flat, saved, m_splits, host, fused1, config, key, rows, part, fak
     cfg = mlp_config(c, False)
     dh_objs = saved_layout.rebuild(key + "|dh", dh_flat, 0, rows, _DH_FOR[part])
     del dh_flat
-    # (the device from whatever tensor this part has: with host splits the
-    # dgrad part holds only the weights' copy and dh's rowwise operands)
-    dev = next(t.device for t in (saved_obj, m_splits, *dh_objs) if t is not None)
-    splits = op_splits(m_splits, host, c["num"], rows, dev, False)
+    splits = op_splits(m_splits, host, c["num"], rows, _device_of(saved_obj, m_splits, *dh_objs), False)
     with sharing_offsets(), autocast_off():
         if part == "dgrad":
             qrow, hp = dh_objs
