@@ -418,3 +418,35 @@ def test_emulated_mlp_saves_its_dequantized_weights_as_before_cpu():
             m(x, [32] * G)
     seen = _saved_shapes(fwd)
     assert (BF16, (G, 256, 128)) in seen and (BF16, (G, 128, 128)) in seen
+
+
+@requires_cuda
+@pytest.mark.parametrize("recipe", [None, Float8BlockScaling()], ids=["bf16", "fp8"])
+def test_reduce_overhead_with_fp32_params_gpu(recipe):
+    """torch.compile(mode="reduce-overhead") of the MLP with fp32 parameters
+    under autocast: the CUDA graphs replay new routing with eager's bits,
+    fp32 parameter gradients included."""
+    m, _ = mlp_pair("cuda")
+    c = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    s = torch.tensor(SPLITS, device="cuda")
+    rows = 512
+
+    def step(fn, x, probs, dy):
+        torch.compiler.cudagraph_mark_step_begin()
+        m.zero_grad(set_to_none=True)
+        x = x.detach().clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=BF16), lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
+            y = fn(x, s, probs=probs)
+        y.backward(dy)
+        return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+
+    g = torch.Generator().manual_seed(0)
+    new = lambda *shape: torch.randn(*shape, generator=g).cuda()  # noqa: E731
+    for _ in range(3):  # warm-up and capture
+        step(c, new(rows, K), torch.rand(rows, device="cuda"), new(rows, K).to(BF16))
+    for routing in ([10, 300, 0, 200], [128, 128, 128, 128], [0, 0, 512, 0]):
+        s.copy_(torch.tensor(routing))
+        x, probs, dy = new(rows, K), torch.rand(rows, device="cuda"), new(rows, K).to(BF16)
+        got, want = step(c, x, probs, dy), step(m, x, probs, dy)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), routing
+        assert all(t.dtype == torch.float32 for t in got[2:])
