@@ -149,6 +149,26 @@ def parser(desc: str) -> argparse.ArgumentParser:
     return p
 
 
+def mlp_cases(desc: str):
+    """(args, cases) of the expert-MLP benchmarks (bench_grouped_mlp.py,
+    bench_mixed_precision.py): --summary, --quick (the first case),
+    --sustained, --uniform-only; cases are (experts, tokens, skewed) at
+    8 x 64k and 32 x 16k, uniform and skewed.  Prints the header line."""
+    p = parser(desc)
+    add_sustained(p)
+    p.add_argument("--uniform-only", action="store_true", help="skip the skewed routing cases")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    cases = [(8, 65536, False), (8, 65536, True), (32, 16384, False), (32, 16384, True)]
+    if args.quick:
+        cases = cases[:1]
+    elif args.uniform_only:
+        cases = [c for c in cases if not c[2]]
+    print(f"device {torch.cuda.get_device_name()}  (ms per fwd+bwd step"
+          f"{f', after {args.sustained} s of steps' if args.sustained else ''}; peak GiB above the step's start)")
+    return args, cases
+
+
 def write_summary(path, rows):
     if path:
         with open(path, "w") as f:

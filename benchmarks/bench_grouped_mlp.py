@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import lpmoe
 from lpmoe.recipe import Float8BlockScaling
 
-from _common import add_sustained, parser, peak_gib, splits_for, time_and_peak, write_summary
+from _common import mlp_cases, peak_gib, splits_for, time_and_peak, write_summary
 
 HIDDEN, FFN = 7168, 2048
 
@@ -123,18 +123,7 @@ def run_case(g, tokens, skewed, sustained=0.0):
 
 
 def main():
-    p = parser(__doc__)
-    add_sustained(p)
-    p.add_argument("--uniform-only", action="store_true", help="skip the skewed routing cases")
-    args = p.parse_args()
-    torch.manual_seed(0)
-    cases = [(8, 65536, False), (8, 65536, True), (32, 16384, False), (32, 16384, True)]
-    if args.quick:
-        cases = cases[:1]
-    elif args.uniform_only:
-        cases = [c for c in cases if not c[2]]
-    print(f"device {torch.cuda.get_device_name()}  (ms per fwd+bwd step"
-          f"{f', after {args.sustained} s of steps' if args.sustained else ''}; peak GiB above the step's start)")
+    args, cases = mlp_cases(__doc__)
     rows = []
     for g, tokens, skewed in cases:
         r = run_case(g, tokens, skewed, args.sustained)
