@@ -45,15 +45,17 @@ def grads(m):
     return [t.grad for t in m.weights], [t.grad for t in m.biases]
 
 
-def mlp_pair(device, bias=True):
+def mlp_pair(device, bias=True, **options):
+    """(an MLP with fp32 parameters, the bf16 MLP holding the same values);
+    ``options``: GroupedMLP's keyword options, for both."""
     torch.manual_seed(1)
-    m = lpmoe.GroupedMLP(G, K, N, bias=bias, params_dtype=torch.float32, device=device)
+    m = lpmoe.GroupedMLP(G, K, N, bias=bias, params_dtype=torch.float32, device=device, **options)
     with torch.no_grad():
-        for p in m.parameters():
+        for name, p in m.named_parameters():
+            if "bias" in name:
+                p.normal_()
             p.copy_(p.to(BF16))  # representable in bf16: the bf16 MLP holds the same values
-            if p.dim() == 1:
-                p.normal_().copy_(p.to(BF16))
-    ref = lpmoe.GroupedMLP(G, K, N, bias=bias, params_dtype=BF16, device=device)
+    ref = lpmoe.GroupedMLP(G, K, N, bias=bias, params_dtype=BF16, device=device, **options)
     ref.load_state_dict({k: v.to(BF16) for k, v in m.state_dict().items()})
     return m, ref
 

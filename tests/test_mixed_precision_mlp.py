@@ -163,3 +163,54 @@ def test_reduce_overhead_with_fp32_params_gpu(recipe):
         got, want = step(c, x, probs, dy), step(m, x, probs, dy)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), routing
         assert all(t.dtype == torch.float32 for t in got[2:])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("options", [dict(fuse_wgrad_accumulation=True), dict(single_grouped_parameter=True),
+                                     dict(cached=True)], ids=["main_grad", "stacked", "weight_cache"])
+def test_mlp_options_with_fp32_params(device, options):
+    """FP8 with fp32 parameters under autocast, with the layer options that
+    touch the weights: Megatron's fp32 main_grad (the same fp32 sums as the
+    bf16 MLP's, bit for bit), stacked parameters, and the FP8 weight cache
+    (is_first_microbatch True then False: the second micro-batch reads the
+    fp32-source quantization kept by the first)."""
+    opts = dict(options)
+    cached = opts.pop("cached", False)
+    m, ref = mlp_pair(device, **opts)
+    fused = opts.get("fuse_wgrad_accumulation", False)
+    if fused:
+        for model in (m, ref):
+            for p in model.parameters():
+                p.main_grad = torch.zeros(p.shape, device=device)
+    recipe = Float8BlockScaling()
+    x = torch.randn(sum(SPLITS), K, device=device)
+    dy = torch.randn(x.shape[0], K, device=device, dtype=BF16)
+    probs = torch.rand(x.shape[0], device=device)
+    for first in ((True, False) if cached else (None,)):
+        kw = {} if first is None else {"is_first_microbatch": first}
+        out, gs = _step_kw(m, x, dy, probs, splits_on(device), recipe, True, kw)
+        ref_out, ref_gs = _step_kw(ref, x.to(BF16), dy, probs, splits_on(device), recipe, False, kw)
+        assert torch.equal(out[0], ref_out[0]) and torch.equal(out[1], ref_out[1].float())
+        if cached:
+            assert m.linear_fc1.weight_cache.quantized.dtype == torch.float32
+    if fused:
+        for p, q in zip(m.parameters(), ref.parameters()):
+            if p.dim() >= 2:  # weights: their fp32 products, added into main_grad by both
+                assert torch.equal(p.main_grad, q.main_grad)
+    else:
+        for a, b in zip(gs, ref_gs):
+            assert a.dtype == torch.float32
+            if device == "cuda":
+                assert torch.equal(a.to(BF16), b)
+            else:
+                torch.testing.assert_close(a.to(BF16), b, atol=0, rtol=2 ** -7)
+
+
+def _step_kw(m, x, dy, probs, splits, recipe, amp, kw):
+    x = x.detach().clone().requires_grad_(True)
+    p = probs.detach().clone().requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=BF16, enabled=amp), lpmoe.autocast(recipe=recipe):
+        y = m(x, splits, probs=p, **kw)
+    y.backward(dy)
+    return [y, x.grad, p.grad], [q.grad for q in m.parameters()]
