@@ -9,13 +9,12 @@ from typing import List, Optional, Tuple
 import torch
 
 from lpmoe.functional.gathered_rows import GatheredRows
-from lpmoe.functional.precision import as_compute
 from lpmoe.gemm import grouped_gemm
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.policy import Forward, Grad, LinearPolicy, Needs, Tokens, grouped_rows
 
 __all__ = ["linear_forward", "backward_steps", "dgrad_first", "dgrad_first_by_size", "dgrad_step", "wgrad_step",
-           "one_gemm_step", "bias_step", "bias_grad", "fused_wgrad_results"]
+           "one_gemm_step", "bias_step", "bias_grad", "fused_wgrad_results", "is_weight_copy"]
 
 # Width of the ones operand of the bias-gradient GEMM: the narrowest the
 # grouped kernels take (N and K multiples of 16).
@@ -50,8 +49,6 @@ def dgrad_step(policy: LinearPolicy, grad: Grad, saved_w, splits, shape: Tuple[i
     g, n, k = shape
     dy = grad.take("dgrad")
     w = policy.dgrad_weights(saved_w, g, n, k, None if dy.is_quantized else dy.dtype)
-    if not dy.is_quantized:  # saved parameters of another dtype (torch.autocast): cast now
-        w = as_compute(w, dy.dtype)
     return grouped_gemm(dy, w, kind="dgrad", m_splits=splits.host)
 
 
@@ -117,9 +114,17 @@ def dgrad_first(saved_x, saved_w, shape: Tuple[int, int, int], main_grads, weigh
         return False
     rows = saved_x.num_rows if isinstance(saved_x, GatheredRows) else (
         saved_x.logical_shape[0] if isinstance(saved_x, GroupedTensor) else saved_x.shape[0])
-    copy = isinstance(saved_w, GroupedTensor) or (
-        isinstance(saved_w, torch.Tensor) and param_dtype is not None and saved_w.dtype != param_dtype)
+    copy = is_weight_copy(saved_w, param_dtype)
     return dgrad_first_by_size(rows, shape, copy and not weights_cached, main_grads is not None)
+
+
+def is_weight_copy(saved_w, param_dtype: Optional[torch.dtype]) -> bool:
+    """Whether a layer's saved weight operand is a copy it made, which dies
+    with dgrad: a quantized one, or the weights made in the compute dtype
+    from parameters of another (``param_dtype``, torch.autocast); not the
+    parameters themselves."""
+    return isinstance(saved_w, GroupedTensor) or (
+        isinstance(saved_w, torch.Tensor) and param_dtype is not None and saved_w.dtype != param_dtype)
 
 
 def dgrad_first_by_size(rows, shape: Tuple[int, int, int], frees_weight_copy: bool, into_main_grad: bool) -> bool:

@@ -36,7 +36,7 @@ from lpmoe.functional import mlp_backward, saved
 from lpmoe.functional.checks import check_params, check_recipe
 from lpmoe.functional.mlp_args import LayerParams, check_fc2, check_layer, check_options, check_probs
 from lpmoe.functional.linear import needs_of
-from lpmoe.functional.linear_steps import fused_wgrad_results, linear_forward, main_grads_of
+from lpmoe.functional.linear_steps import fused_wgrad_results, is_weight_copy, linear_forward, main_grads_of
 from lpmoe.functional.params import as_inputs, from_inputs, grads_for, input_count, is_stacked
 from lpmoe.functional.precision import autocast_off, compute_input
 from lpmoe.functional.gathered_rows import GatheredRows
@@ -146,11 +146,9 @@ class _GroupedMLP(torch.autograd.Function):
         x1 = x1.tokens if ctx.x1_from_source else x1
         w1, _, used = split_params(params, cfg.fc1)
         w2, _, _ = split_params(params[used:], cfg.fc2)
-        # copies: quantized operands, and weights made in the compute dtype
-        # from parameters of another (torch.autocast: precision.py)
-        pdtype = params[0].dtype
+        # copies: x's quantized one, and the weights' (linear_steps.is_weight_copy)
         copies = {k: o for k, o in (("x1", x1), ("w1", w1s), ("w2", sw2))
-                  if isinstance(o, GroupedTensor) or (k != "x1" and isinstance(o, torch.Tensor) and o.dtype != pdtype)}
+                  if (isinstance(o, GroupedTensor) if k == "x1" else is_weight_copy(o, params[0].dtype))}
         saved.save(ctx, *(None if k in copies else o for k, o in (("x1", x1), ("w1", w1s), ("p", p), ("w2", sw2))))
         saved.hold(ctx, h=h, x2=sx2, **{k: copies.get(k) for k in ("x1", "w1", "w2")})
         ctx.cfg, ctx.splits = cfg, splits

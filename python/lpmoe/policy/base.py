@@ -125,9 +125,12 @@ class LinearPolicy:
     def dgrad_weights(self, saved_w, num: int, n: int, k: int, dtype: Optional[torch.dtype] = None):
         """dgrad's weight operand from what :meth:`forward` saved; ``dtype``:
         the compute dtype of a high-precision dgrad (None: FP8 operands).
-        Saved parameters of another dtype are cast to it after this
-        (lpmoe.functional.linear_steps.dgrad_step)."""
-        return saved_w
+        By default what was saved, cast to that dtype where it has another
+        (the parameters under torch.autocast, lpmoe.functional.precision)."""
+        if dtype is None:
+            return saved_w
+        from lpmoe.functional.precision import as_compute  # (lpmoe.functional imports the policies)
+        return as_compute(saved_w, dtype)
 
     def wgrad_tokens(self, saved_x, splits):
         """wgrad's token operand from what :meth:`forward` saved."""
