@@ -16,7 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // bulk buffer alone.  3: routing_map, router_backward.  4:
   // fp8_block_quantize's row_source (rows gathered from a token matrix),
   // permute_row_sources.  5: fp8_block_dequantize_kernel_launches.
-  m.attr("BINDING_VERSION") = 5;
+  // 6: adamw_fp8_block_step (csrc/optim).
+  m.attr("BINDING_VERSION") = 6;
   m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
         py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
         py::arg("second"), py::arg("capacity_rows"),
@@ -49,4 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_wgrad_choice", &lpmoe::binding::fp8_wgrad_choice);
   m.def("grouped_gemm_cublas", &lpmoe::binding::grouped_gemm_cublas);
   m.def("grouped_row_epilogue", &lpmoe::binding::grouped_row_epilogue);
+  m.def("adamw_fp8_block_step", &lpmoe::binding::adamw_fp8_block_step);
+  m.def("adamw_fp8_block_launches", &lpmoe::binding::adamw_fp8_block_launches);
 }

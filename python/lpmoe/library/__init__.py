@@ -14,6 +14,7 @@ shapes; CPU tensors run the bit-exact reference through the same ops):
                                                    rows quantized as they are gathered
 * ``router_topk``, ``router_backward``             fused router scores / top-k and their gradient
 * ``routing_map``                                  slot -> grouped row (MoE routing)
+* ``adamw_fp8_block_step``                         AdamW + the FP8 weight copies (lpmoe.optim)
 
 Layers, with autograd registered (``register_autograd``):
 
@@ -39,4 +40,4 @@ OP_NAMES = ("splits_to_offsets", "group_quantize", "group_quantize_into", "group
             "grouped_linear_backward", "grouped_mlp", "grouped_mlp_backward", "grouped_mlp_backward_act",
             "grouped_mlp_backward_fc1",
             "permute_scatter", "permute_gather", "permute_row_sources", "gather_quantize",
-            "router_topk", "router_backward", "routing_map")
+            "router_topk", "router_backward", "routing_map", "adamw_fp8_block_step")

@@ -1,0 +1,44 @@
+"""Custom op of the fused optimizer step.
+
+``lpmoe::adamw_fp8_block_step``  AdamW on G same-shape fp32 weights plus the
+                                 128x128 FP8 copies of the updated weights;
+                                 mutates the weights, the moments and the
+                                 four quantized buffers, returns nothing
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from lpmoe.library import specs
+from lpmoe.library._define import define
+from lpmoe.library.routing import OPS, tracing
+from lpmoe.optim.kernels import adamw_fp8_block_step_impl
+from lpmoe.reference.optim import AdamWScalars
+
+Tensor = torch.Tensor
+
+
+def _step_fake(params, grads, exp_avgs, exp_avg_sqs, scalars, quantizer, out):
+    return None
+
+
+@define("adamw_fp8_block_step", _step_fake, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "out"))
+def _step(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+          scalars: List[float], quantizer: str, out: List[Tensor]) -> None:
+    adamw_fp8_block_step_impl(params, grads, exp_avgs, exp_avg_sqs, AdamWScalars(*scalars),
+                              specs.decode(quantizer), out)
+
+
+def adamw_fp8_block_step(params, grads, exp_avgs, exp_avg_sqs, scalars: AdamWScalars, quantizer, out) -> None:
+    """Eager calls run the implementation directly (lpmoe.library.routing)."""
+    if tracing():
+        _step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [float(s) for s in scalars],
+              specs.encode(quantizer), list(out))
+    else:
+        adamw_fp8_block_step_impl(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), scalars,
+                                  quantizer, list(out))
+
+
+OPS["adamw_fp8_block_step"] = adamw_fp8_block_step
