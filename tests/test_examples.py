@@ -4,6 +4,8 @@ import importlib.util
 import pytest
 import torch
 
+import lpmoe
+
 from conftest import load_example as _load
 
 
@@ -41,6 +43,24 @@ def test_train_moe_lm_fp32_params_under_autocast(tmp_path):
     assert abs(hists["fp8"]["val"][-1] / hists["bf16"]["val"][-1] - 1) < 0.05
     model = lm.MoELM(lm.parse_args(args), torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_train_moe_lm_lpmoe_optimizer(tmp_path):
+    """--optimizer lpmoe: lpmoe.optim.AdamW writes the experts' FP8 weights
+    (its fused path counted, two layers per block per step) and trains as
+    torch's AdamW does, up to AdamW's rounding order."""
+    lm = _load("train_moe_lm")
+    args = ["--steps", "12", "--batch", "2", "--seq", "32", "--layers", "1", "--d-model", "64", "--heads", "2",
+            "--ffn", "128", "--experts", "4", "--warmup", "2", "--lr", "3e-3", "--eval-every", "12",
+            "--eval-batches", "1", "--data-mb", "1", "--device", "cpu", "--plot", "", "--params", "fp32",
+            "--recipes", "fp8"]
+    before = lpmoe.optim.stats()["fused"]
+    fused = lm.main(args + ["--optimizer", "lpmoe"])["fp8"]["val"][-1]
+    assert lpmoe.optim.stats()["fused"] - before == 2 * 12
+    plain = lm.main(args)["fp8"]["val"][-1]
+    assert abs(fused / plain - 1) < 0.01
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--optimizer", "lpmoe"])
 
 
 def test_train_moe_lm_pools_seeds_from_processes(tmp_path, capsys):

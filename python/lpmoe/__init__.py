@@ -10,6 +10,7 @@ Public API:
   GroupedLinear, GroupedMLP                expert layers (lpmoe.module), functional forms in lpmoe.functional
   activation                               expert-MLP activations and their fused kernels
   recipe, autocast, ops                    recipes, the autocast context, composable ops
+  optim.AdamW                              AdamW that writes the layers' FP8 weights in its step
 """
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer  # noqa: F401
 from lpmoe.grouped_offsets import splits_to_offsets  # noqa: F401
@@ -37,3 +38,5 @@ from lpmoe import ops  # noqa: F401,E402
 from lpmoe import moe  # noqa: F401,E402
 from lpmoe.library import grouped_codec, quantize_ops, single_ops, gemm_ops, activation_ops, layer_ops  # noqa: F401,E402,E501
 from lpmoe.library import permute_ops  # noqa: F401,E402
+from lpmoe import optim  # noqa: F401,E402
+from lpmoe.library import optim_ops  # noqa: F401,E402

@@ -44,6 +44,14 @@ class WeightCache:
         self.quantized: Optional[GroupedTensor] = None
         #: float32 device tensor read by the quantize kernel (1.0 = skip writing)
         self.skip_flag: Optional[torch.Tensor] = None
+        #: the weights :attr:`quantized` was made from: (address, version
+        #: counter) of each parameter when it was written (see :meth:`holds`)
+        self.source: Optional[tuple] = None
+        #: the quantizer the layer's last eager call asked for: what an
+        #: optimizer that writes this cache (lpmoe.optim.AdamW) produces
+        self.wanted = None
+        #: eager calls that read :attr:`quantized` without quantizing
+        self.hits = 0
 
     def __deepcopy__(self, memo) -> "WeightCache":
         # A copied layer gets its own, empty cache (and its own key): the
@@ -57,6 +65,19 @@ class WeightCache:
     def clear(self) -> None:
         self.quantized = None
         self.skip_flag = None
+        self.source = None
+        self.wanted = None
+
+    def record(self, params) -> None:
+        """:attr:`quantized` now holds ``params`` as they are."""
+        self.source = None if tracing() else _source_key(params)
+
+    def holds(self, params) -> bool:
+        """:attr:`quantized` was made from ``params`` and no in-place change
+        reached them since (PyTorch bumps a tensor's version counter on
+        every in-place op: an optimizer step, ``load_state_dict``, ``copy_``;
+        assignments through ``.data`` escape it).  A host check, no sync."""
+        return self.source is not None and not tracing() and self.source == _source_key(params)
 
     def set_skip_update(self, skip: bool) -> None:
         """Make captured graphs keep (True) or refresh (False) the cached
@@ -86,6 +107,12 @@ class WeightCache:
         return self.skip_flag
 
 
+def _source_key(params) -> tuple:
+    if isinstance(params, torch.Tensor):
+        return ((params.data_ptr(), params._version),)
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
 def cache_in_use(cache: Optional["WeightCache"], is_first_microbatch: Optional[bool]) -> bool:
     """Whether a call's quantized weights come from (and stay in) ``cache``:
     only ``is_first_microbatch`` True or False uses one (:func:`_quantized_weights`)."""
@@ -112,8 +139,16 @@ def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> GroupedTensor:
     """Quantize ``src``'s weights per ``is_first_microbatch`` semantics:
-    None = quantize now, no caching; True = quantize into the cache;
-    False = reuse the cache (quantizing into it if it is missing or unfit).
+    None = quantize now, no caching, except that an eager call reads a
+    cache that holds exactly these weights in this format
+    (:meth:`WeightCache.holds`: what lpmoe.optim.AdamW leaves after its
+    step), the same bits without quantizing; True = quantize into the
+    cache; False = reuse the cache as it is (TransformerEngine's meaning:
+    nothing is checked, so weights re-gathered into the same buffers every
+    micro-batch keep their cache), quantizing into it if it is missing or
+    unfit.  Inside CUDA graph capture nothing is checked on the host: False
+    reads the cache as it is at replay, anything else quantizes (into the
+    cache, with a skip flag for replays).
     The (G*N, K) operand is made only when something is quantized: reusing
     the cache stacks nothing (a copy, for weights not back to back)."""
     cache, first = src.cache, src.is_first_microbatch
@@ -127,18 +162,25 @@ def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> Group
         if fit:  # refresh in place (fixed pointers), skippable at replay time
             group_quantize(src.stacked(), cache.quantized.quantizer, num_tensors=g, output=cache.quantized,
                            noop_flag=cache._flag(src.device))
+            cache.source = None  # written at replay time, from whatever the weights are then
             return cache.quantized
         cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
+        cache.source = None
         return cache.quantized
     cache._flag(src.device)  # exists before any capture
+    if not tracing():
+        cache.wanted = quantizer
+    if fit and (first is False or (first is None and cache.holds(src.params))):
+        cache.hits += 1
+        return cache.quantized
     if first is None:
         return group_quantize(src.stacked(), quantizer, num_tensors=g)
-    if first is False and fit:
-        return cache.quantized
     if fit:  # in place: pointers stay stable for graphs captured later
-        return group_quantize(src.stacked(), cache.quantized.quantizer, num_tensors=g, output=cache.quantized)
-    cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
-    return cache.quantized
+        out = group_quantize(src.stacked(), cache.quantized.quantizer, num_tensors=g, output=cache.quantized)
+    else:
+        out = cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
+    cache.record(src.params)
+    return out
 
 
 class WeightSource:
