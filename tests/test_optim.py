@@ -241,6 +241,65 @@ def test_optimizer_matches_torch_adamw(device):
     opt_c.load_state_dict(opt_a.state_dict())
     opt_a.load_state_dict(opt_c.state_dict())
     assert opt_a.state_dict()["state"][0]["step"].item() == 2
+    before = lpmoe.optim.stats()["fused"]
+    _train(a, opt_a, 1, device)  # the loaded state is taken over: still the fused path
+    assert lpmoe.optim.stats()["fused"] - before == 2
+    assert all(opt_a.state[p]["step"].item() == 3 for p in a.parameters())
+
+
+def test_step_hooks_run_once():
+    """torch wraps each optimizer class's step with the step hooks; the
+    part of the step lpmoe hands to torch's AdamW must not run them again
+    (also once a plain torch.optim.AdamW exists, whose step is wrapped)."""
+    m = _mlp("cpu")
+    torch.optim.AdamW(copy.deepcopy(m).parameters())
+    opt = lpmoe.optim.AdamW(m.parameters(), lr=1e-3, fp8_weights_of=m)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    _train(m, opt, 2, "cpu")
+    assert calls == ["pre", "post"] * 2
+    assert torch.optim.AdamW.step.hooked
+
+
+def test_expert_step_counts_differing_go_to_torch():
+    """A state whose experts were stepped a different number of times (one
+    AdamW step count per layer in the kernel) is stepped by torch."""
+    m = _mlp("cpu")
+    opt = lpmoe.optim.AdamW(m.parameters(), lr=1e-3, fp8_weights_of=m)
+    _train(m, opt, 1, "cpu")
+    opt.state[m.linear_fc1.weight0]["step"] = torch.tensor(7.0)
+    before = lpmoe.optim.stats()
+    _train(m, opt, 1, "cpu")
+    after = lpmoe.optim.stats()
+    assert after["fused"] - before["fused"] == 1 and after["torch"] - before["torch"] == 1
+
+
+def test_steps_by_torch_in_between_are_counted(monkeypatch):
+    """A layer torch stepped for a while (steps where its cache asked for no
+    FP8 format) continues on the fused path with the right AdamW step
+    count (the bias corrections of step 4)."""
+    m = _mlp("cpu")
+    opt = lpmoe.optim.AdamW(m.parameters(), lr=1e-3, fp8_weights_of=m)
+    _train(m, opt, 1, "cpu")
+    wanted = m.linear_fc1.weight_cache.wanted
+    x = torch.randn(sum(SPLITS), K)
+    for _ in range(2):  # bf16 autocast without the FP8 recipe: torch steps both layers
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=BF16):
+            m.linear_fc1.weight_cache.wanted = None
+            m.linear_fc2.weight_cache.wanted = None
+            m(x, SPLITS).float().sum().backward()
+        opt.step()
+    assert all(opt.state[p]["step"].item() == 3 for p in m.parameters())
+    m.linear_fc1.weight_cache.wanted = wanted
+    seen = []
+    real = lpmoe.optim.adamw.adamw_scalars
+    monkeypatch.setattr(lpmoe.optim.adamw, "adamw_scalars", lambda *a: seen.append(a[-1]) or real(*a))
+    before = lpmoe.optim.stats()["fused"]
+    _train(m, opt, 1, "cpu")
+    assert lpmoe.optim.stats()["fused"] - before == 2 and seen == [4, 4]
+    assert all(opt.state[p]["step"].item() == 4 for p in m.parameters())
 
 
 def test_optimizer_hands_unfusable_layers_to_torch():

@@ -31,14 +31,16 @@ def _step(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp
                               specs.decode(quantizer), out)
 
 
-def adamw_fp8_block_step(params, grads, exp_avgs, exp_avg_sqs, scalars: AdamWScalars, quantizer, out) -> None:
-    """Eager calls run the implementation directly (lpmoe.library.routing)."""
+def adamw_fp8_block_step(params, grads, exp_avgs, exp_avg_sqs, scalars: AdamWScalars, quantizer, out,
+                         validate: bool = True) -> None:
+    """Eager calls run the implementation directly (lpmoe.library.routing).
+    ``validate=False``: the caller (lpmoe.optim.AdamW) made the inputs, so
+    only the binding's own checks run (the host cost of many experts)."""
     if tracing():
         _step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [float(s) for s in scalars],
               specs.encode(quantizer), list(out))
     else:
-        adamw_fp8_block_step_impl(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), scalars,
-                                  quantizer, list(out))
+        adamw_fp8_block_step_impl(params, grads, exp_avgs, exp_avg_sqs, scalars, quantizer, out, validate)
 
 
 OPS["adamw_fp8_block_step"] = adamw_fp8_block_step

@@ -77,6 +77,7 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError(f"fp8_weights_of: the weights of layer {unit.name!r} are split across parameter "
                                  "groups; put each layer's weights in one group")
             self._group_index.append(groups.pop())
+        self._rest_cache = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -84,74 +85,120 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stepped = set()
+        stepped = []
         for unit, gi in zip(self._layers, self._group_index):
             if self._fused_step(unit, self.param_groups[gi]):
-                stepped.update(id(p) for p in unit.params)
+                stepped.append(unit)
             elif all(p.grad is not None for p in unit.params):
                 _STATS["torch"] += 1
         if not stepped:
-            super().step()
+            _torch_step(self)
             return loss
         # torch's AdamW steps the rest: the groups without the fused layers'
         # parameters for the length of the call
         kept = [g["params"] for g in self.param_groups]
         try:
-            for g in self.param_groups:
-                g["params"] = [p for p in g["params"] if id(p) not in stepped]
-            super().step()
+            rest = self._rest_of(stepped)
+            for g, ps in zip(self.param_groups, rest):
+                g["params"] = ps
+            if any(rest):
+                _torch_step(self)
         finally:
             for g, ps in zip(self.param_groups, kept):
                 g["params"] = ps
         return loss
 
-    def _fusable(self, unit: ExpertWeights, group: dict) -> Optional[Float8BlockQuantizer]:
-        """The quantizer to write ``unit``'s FP8 weights in, or None (torch steps it)."""
-        q = unit.cache.wanted
-        if not (isinstance(q, Float8BlockQuantizer) and q.block_dim == 2):
+    def _rest_of(self, stepped: List[ExpertWeights]) -> List[list]:
+        """Each group's parameters without those of the ``stepped`` layers
+        (kept from the last step while the groups and the set are the same:
+        the host cost of a step with many experts)."""
+        key = (tuple(id(u) for u in stepped), tuple((id(g["params"]), len(g["params"])) for g in self.param_groups))
+        if self._rest_cache is None or self._rest_cache[0] != key:
+            ids = {id(p) for u in stepped for p in u.params}
+            self._rest_cache = (key, [[p for p in g["params"] if id(p) not in ids] for g in self.param_groups])
+        return self._rest_cache[1]
+
+    def _fusable(self, unit: ExpertWeights, group: dict):
+        """(quantizer to write ``unit``'s FP8 weights in, the gradients), or
+        None (torch steps it).  Checked per step, in host-cheap order; the
+        binding checks devices, shapes and alignment."""
+        wanted = unit.cache.wanted
+        if not (isinstance(wanted, Float8BlockQuantizer) and wanted.block_dim == 2):
             return None
         if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable"):
             return None
         if any(isinstance(group[k], torch.Tensor) for k in ("lr", "weight_decay", "eps")) or any(
                 isinstance(b, torch.Tensor) for b in group["betas"]):
             return None
-        for p in unit.params:
-            g = p.grad
-            if g is None or g.is_sparse or p.dtype != torch.float32 or g.dtype != torch.float32:
+        params = unit.params
+        grads = [p.grad for p in params]
+        for p, g in zip(params, grads):
+            if g is None or p.dtype != torch.float32 or g.dtype != torch.float32 or g.layout != torch.strided \
+                    or not g.is_contiguous():
                 return None
-            if not (p.is_contiguous() and g.is_contiguous()) or g.device != p.device:
-                return None
-        return q.copy(rowwise=True, columnwise=True)
+        if unit.quantizer is None or unit.quantizer[0] is not wanted:
+            unit.quantizer = (wanted, wanted.copy(rowwise=True, columnwise=True))
+        return unit.quantizer[1], grads
 
     def _fused_step(self, unit: ExpertWeights, group: dict) -> bool:
-        q = self._fusable(unit, group)
-        if q is None:
+        fusable = self._fusable(unit, group)
+        if fusable is None:
             return False
+        q, grads = fusable
         params = unit.params
         states = [self.state[p] for p in params]
-        for p, st in zip(params, states):
-            if len(st) == 0:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif st["step"].device.type != "cpu":
-                st["step"] = st["step"].cpu()  # a state dict saved by a fused / capturable torch AdamW: once
-            st["step"] += 1
-        step = int(states[0]["step"].item())  # a CPU tensor: no device sync
+        counts = unit.counts
+        if counts is None or any(st.get("step") is None or st["step"]._base is not counts for st in states):
+            counts = self._adopt_steps(unit, params, states)
+            if counts is None:
+                return False
+        counts.add_(1.0)  # every expert's step count, one op
+        step = int(counts[0])  # read back: torch's AdamW may have stepped the views meanwhile
         beta1, beta2 = group["betas"]
         scalars = adamw_scalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
-        g, n, k = unit.shape
         cache = unit.cache
-        p0 = params[0]
-        if not cache.usable_for(q, g, (g * n, k), p0.dtype, p0.device):
-            # the cache's buffers, made once (their values are overwritten below)
-            stacked = p0.view(g * n, k) if p0.dim() == 3 else torch.stack(params).view(g * n, k)
-            cache.quantized = group_quantize(stacked, q, num_tensors=g)
-        members = lambda ts: list(ts[0].unbind(0)) if ts[0].dim() == 3 else list(ts)  # noqa: E731
-        OPS["adamw_fp8_block_step"](members(params), members([p.grad for p in params]),
-                                    members([st["exp_avg"] for st in states]),
+        if cache.quantized is None or unit.buffers_of is not cache.quantized:
+            g, n, k = unit.shape
+            p0 = params[0]
+            if not cache.usable_for(q, g, (g * n, k), p0.dtype, p0.device):
+                # the cache's buffers, made once (their values are overwritten below)
+                stacked = p0.view(g * n, k) if p0.dim() == 3 else torch.stack(params).view(g * n, k)
+                cache.quantized = group_quantize(stacked, q, num_tensors=g)
+            unit.buffers_of = cache.quantized
+        members = (lambda ts: list(ts[0].unbind(0))) if params[0].dim() == 3 else list
+        OPS["adamw_fp8_block_step"](members(params), members(grads), members([st["exp_avg"] for st in states]),
                                     members([st["exp_avg_sq"] for st in states]), scalars, cache.quantized.quantizer,
-                                    [getattr(cache.quantized, b) for b in QUANTIZED_BUFFERS])
+                                    [getattr(cache.quantized, b) for b in QUANTIZED_BUFFERS], validate=False)
         cache.record(unit.weights)
         _STATS["fused"] += 1
         return True
+
+    def _adopt_steps(self, unit: ExpertWeights, params, states) -> Optional[torch.Tensor]:
+        """Make (first step) or take over (a loaded state dict, a step by
+        torch) the layer's state, its step counts as 0-dim views of one CPU
+        tensor so a step adds 1 to all of them in one op; torch's AdamW
+        reads and writes such views as its own.  None when the experts'
+        counts differ (torch steps the layer)."""
+        for p, st in zip(params, states):
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        counts = torch.stack([st["step"].detach().to("cpu", torch.float32).reshape(()) for st in states])
+        first = float(counts[0])  # once per layer and adoption (a device step from torch's fused AdamW: a sync)
+        if not bool((counts == first).all()):
+            return None
+        for i, st in enumerate(states):
+            st["step"] = counts[i]
+        unit.counts = counts
+        return counts
+
+
+def _torch_step(opt: AdamW) -> None:
+    """torch.optim.AdamW's step on ``opt`` without a second round of the
+    optimizer-step hooks (torch wraps each class's step with them once an
+    instance exists; ours already ran them)."""
+    base = torch.optim.AdamW.step
+    if getattr(base, "hooked", False):
+        base = base.__wrapped__
+    base(opt)

@@ -50,23 +50,23 @@ def check_members(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: S
 
 def adamw_fp8_block_step_impl(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
                               exp_avg_sqs: List[Tensor], scalars: AdamWScalars, quantizer: Float8BlockQuantizer,
-                              out: List[Tensor]) -> None:
+                              out: List[Tensor], validate: bool = True) -> None:
     """One AdamW step in place on the G (N, K) fp32 ``params`` and their
     moments, and the 128x128 FP8 rowwise + columnwise copies of the updated
     weights, as ``group_quantize(stack(params), quantizer, num_tensors=G)``
     lays them out, written into ``out`` (:data:`QUANTIZED_BUFFERS` order)."""
-    check_members(params, grads, exp_avgs, exp_avg_sqs)
-    if not (isinstance(quantizer, Float8BlockQuantizer) and quantizer.block_dim == 2):
-        raise ValueError(f"the fused AdamW step writes 128x128 FP8 block weights, got {quantizer!r}")
+    if validate or not params[0].is_cuda:
+        check_members(params, grads, exp_avgs, exp_avg_sqs)
+        if not (isinstance(quantizer, Float8BlockQuantizer) and quantizer.block_dim == 2):
+            raise ValueError(f"the fused AdamW step writes 128x128 FP8 block weights, got {quantizer!r}")
     if params[0].is_cuda:
-        ext().adamw_fp8_block_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-                                   [float(s) for s in scalars], quantizer.fp8_dtype == torch.float8_e5m2,
-                                   quantizer.pow2_scales, quantizer.amax_epsilon, *out)
+        ext().adamw_fp8_block_step(params, grads, exp_avgs, exp_avg_sqs, list(scalars),
+                                   quantizer.fp8_dtype == torch.float8_e5m2, quantizer.pow2_scales,
+                                   quantizer.amax_epsilon, *out)
         # The kernel wrote them behind autograd's back: bump their version
         # counters as an in-place PyTorch op would (autograd's saved-tensor
         # check, WeightCache.holds).
-        for t in (*params, *exp_avgs, *exp_avg_sqs):
-            torch.autograd.graph.increment_version(t)
+        torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs])
         return
     from lpmoe.quantize import group_quantize
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):

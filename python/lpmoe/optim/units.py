@@ -5,7 +5,7 @@ weights, per-expert parameters or one stacked parameter, and its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Union
+from typing import Iterable, List, Optional, Union
 
 import torch
 
@@ -22,6 +22,12 @@ class ExpertWeights:
     #: what the layer passes to lpmoe.functional (list of (N, K), or (G, N, K))
     weights: Union[List[torch.Tensor], torch.Tensor]
     cache: WeightCache
+    #: (the cache's wanted quantizer, its two-direction copy): made once per format
+    quantizer: Optional[tuple] = None
+    #: the cache GroupedTensor last checked to fit (checked again when it changes)
+    buffers_of: Optional[object] = None
+    #: the experts' step counts (their states' ``step`` are 0-dim views of it)
+    counts: Optional[torch.Tensor] = None
 
     @property
     def params(self) -> List[torch.Tensor]:
