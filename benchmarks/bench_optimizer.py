@@ -1,0 +1,191 @@
+"""The optimizer step of expert weights with their FP8 copies, and whole
+training steps, at DeepSeek-V3 expert shapes (fc1 7168 -> 2x2048, fc2 2048
+-> 7168), fp32 parameters (PyTorch's mixed precision: torch.autocast trains
+them in bf16), side by side in one run.
+
+Optimizer step of both layers' expert weights (gradients given):
+  lpmoe      lpmoe.optim.AdamW: one fused kernel per layer updates the
+             weights and moments and writes the 128x128 FP8 copies
+             (30 bytes per parameter)
+  torch+q    torch.optim.AdamW (fused=True) and then the 128x128 FP8
+             quantization of each layer's updated weights: what an FP8
+             layer's step costs without lpmoe.optim (28 + 6 bytes)
+  foreach+q  the same with torch's default (foreach) AdamW
+  copy       the device copy's rate applied to lpmoe's 30 bytes: the floor
+
+Training step (--steps; fwd + bwd + optimizer of lpmoe.GroupedMLP, SwiGLU
+with router probabilities, graph-safe device splits; the two shapes above at
+8 x 64k and 32 x 16k tokens, and 64 experts x 64 tokens of a 2048 -> 2x768
+MLP, launch-bound, with per-expert and with stacked parameters):
+  fp8+lpmoe  Float8BlockScaling, lpmoe.optim.AdamW (the forward reads the
+             optimizer's FP8 weights)
+  fp8+torch  Float8BlockScaling, torch.optim.AdamW(fused=True) (the forward
+             quantizes the weights)
+  bf16+torch no recipe, torch.optim.AdamW(fused=True)
+
+CUDA events after warm-up, medians of several samples (benchmarks/_common);
+the training steps also print the peak memory allocated during one step.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+
+import torch
+
+import lpmoe
+from lpmoe.functional.weights import stack_weights
+from lpmoe.recipe import Float8BlockScaling
+
+from _common import copy_bandwidth_gbs, median_ms, parser, splits_for, write_summary
+
+HIDDEN, FFN = 7168, 2048
+BF16 = torch.bfloat16
+Q2D = lpmoe.Float8BlockQuantizer(block_dim=2)
+
+
+def _free():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def optimizer_case(g: int, copy_gbs: float):
+    """ms of each optimizer variant over one MLP's expert weights."""
+    mlp = lpmoe.GroupedMLP(g, HIDDEN, FFN, params_dtype=torch.float32, device="cuda")
+    layers = (mlp.linear_fc1, mlp.linear_fc2)
+    params = [p for lin in layers for p in lin.weights]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    for lin in layers:  # what an FP8 forward records (the recipe's weight format)
+        lin.weight_cache.wanted = Q2D
+    numel = sum(p.numel() for p in params)
+
+    def quantize_all():
+        for lin in layers:
+            lpmoe.group_quantize(stack_weights(lin.weights), Q2D, num_tensors=len(lin.weights))
+
+    res = {}
+    opt = lpmoe.optim.AdamW(params, lr=1e-4, fp8_weights_of=mlp)
+    res["lpmoe"] = median_ms(opt.step, warmup=3, iters=7, reps=3)
+    before = lpmoe.optim.stats()["fused"]
+    opt.step()
+    assert lpmoe.optim.stats()["fused"] - before == 2, "the fused path did not run"
+    del opt
+    _free()
+    for name, kw in (("torch+q", {"fused": True}), ("foreach+q", {"foreach": True})):
+        topt = torch.optim.AdamW(params, lr=1e-4, **kw)
+
+        def step():
+            topt.step()
+            quantize_all()
+        res[name] = median_ms(step, warmup=3, iters=7, reps=3)
+        del topt
+        _free()
+    res["copy"] = 30 * numel / copy_gbs / 1e6
+    del mlp, params, layers
+    _free()
+    return numel, res
+
+
+VARIANTS = (("fp8+lpmoe", Float8BlockScaling(), True), ("fp8+torch", Float8BlockScaling(), False),
+            ("bf16+torch", None, False))
+
+
+def _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy):
+    """(step function, its model) of one variant."""
+    mlp = lpmoe.GroupedMLP(g, hidden, ffn, params_dtype=torch.float32, device="cuda",
+                           single_grouped_parameter=stacked)
+    opt = (lpmoe.optim.AdamW(mlp.parameters(), lr=1e-5, fp8_weights_of=mlp) if fused
+           else torch.optim.AdamW(mlp.parameters(), lr=1e-5, fused=True))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=BF16), lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
+            y = mlp(x, splits, probs=probs)
+        y.backward(dy)
+        opt.step()
+    return step, mlp
+
+
+def _peak_gib(step) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def training_case(g: int, tokens: int, hidden: int = HIDDEN, ffn: int = FFN, stacked: bool = False,
+                  rounds: int = 5):
+    """{variant: (ms per fwd + bwd + optimizer step, peak GiB allocated in a
+    step: parameters, gradients, optimizer state and FP8 weight caches
+    included, each model alone)}.  Where the three models fit at once
+    (< 40 GB of fp32 parameters, gradients and moments) their timings
+    interleave over ``rounds`` rounds (median of the rounds' medians: a
+    launch-bound step is noisy); otherwise one model at a time, one round."""
+    splits = torch.tensor(splits_for(g, tokens, False), device="cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=BF16)
+    probs = torch.rand(tokens, device="cuda")
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=BF16)
+    together = 3 * 16 * 3 * g * hidden * ffn < 40e9
+    peaks, times = {}, {name: [] for name, _, _ in VARIANTS}
+    for name, recipe, fused in VARIANTS:  # one model at a time: peaks (and timings if they do not fit together)
+        step, mlp = _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy)
+        step()
+        if fused:  # the forward reads the optimizer's weights
+            hits = mlp.linear_fc1.weight_cache.hits
+            step()
+            assert mlp.linear_fc1.weight_cache.hits == hits + 1, "the forward quantized its weights again"
+        peaks[name] = _peak_gib(step)
+        if not together:
+            times[name].append(median_ms(step, warmup=3, iters=5, reps=3))
+        del step, mlp
+        _free()
+    made = {}
+    if together:
+        made = {name: _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy)[0]
+                for name, recipe, fused in VARIANTS}
+        for _ in range(rounds):
+            for name, step in made.items():
+                times[name].append(median_ms(step, warmup=2, iters=5, reps=3))
+    out = {name: (statistics.median(times[name]), peaks[name]) for name in times}
+    del made
+    _free()
+    return out
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--steps", action="store_true", help="also time whole training steps")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device {torch.cuda.get_device_name()}  copy {copy_gbs:.0f} GB/s")
+    rows = []
+    for g in ((8,) if args.quick else (8, 32)):
+        numel, r = optimizer_case(g, copy_gbs)
+        cells = "  ".join(f"{k} {v:7.2f} ms" for k, v in r.items())
+        print(f"optimizer g={g:3d} ({numel / 1e9:.2f} G params) | {cells} | torch+q / lpmoe "
+              f"{r['torch+q'] / r['lpmoe']:4.2f}x, foreach+q / lpmoe {r['foreach+q'] / r['lpmoe']:4.2f}x, "
+              f"lpmoe at {r['copy'] / r['lpmoe']:4.2f} of copy", flush=True)
+        rows.append((f"optimizer g={g} torch+q/lpmoe | of copy",
+                     f"{r['torch+q'] / r['lpmoe']:.2f}x | {r['copy'] / r['lpmoe']:.2f}"))
+    if args.steps:
+        # the two expert-MLP benchmark shapes, and the launch-bound one of
+        # bench_compile.py (64 experts x 64 tokens, hidden 2048, ffn 768)
+        for g, tokens, hidden, ffn, stacked in ((8, 65536, HIDDEN, FFN, False), (32, 16384, HIDDEN, FFN, False),
+                                                (64, 4096, 2048, 768, False), (64, 4096, 2048, 768, True)):
+            r = training_case(g, tokens, hidden, ffn, stacked)
+            cells = "  ".join(f"{k} {v[0]:7.2f} ms {v[1]:5.1f} GiB" for k, v in r.items())
+            t = {k: v[0] for k, v in r.items()}
+            print(f"train step g={g} tok={tokens}{' stacked' if stacked else ''} | {cells} | fp8+torch / fp8+lpmoe "
+                  f"{t['fp8+torch'] / t['fp8+lpmoe']:4.2f}x, bf16 / fp8+lpmoe {t['bf16+torch'] / t['fp8+lpmoe']:4.2f}x"
+                  f", bf16 / fp8+torch {t['bf16+torch'] / t['fp8+torch']:4.2f}x", flush=True)
+            rows.append((f"train step g={g} tok={tokens}{' stacked' if stacked else ''} fp8+torch/fp8+lpmoe | bf16/fp8+lpmoe",
+                         f"{t['fp8+torch'] / t['fp8+lpmoe']:.2f}x | {t['bf16+torch'] / t['fp8+lpmoe']:.2f}x"))
+    write_summary(args.summary, rows)
+
+
+if __name__ == "__main__":
+    main()
