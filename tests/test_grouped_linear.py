@@ -306,14 +306,8 @@ def test_is_first_microbatch_caches_fp8_weights(spies):
         assert n_weight_quant() == 2 and layer.weight_cache.quantized is cached
         assert spies["group_quantize"].calls[-1][1]["output"] is cached
         assert rel(y3, 2 * y1 - layer.bias0.detach()) < 0.02
-        y4 = layer(x, splits)  # None, the cache holds these weights: read it (same bits)
-        assert n_weight_quant() == 2 and torch.equal(y3, y4) and layer.weight_cache.hits == 2
-        with torch.no_grad():
-            layer.weight0.add_(1.0)
-        y5 = layer(x, splits)  # None after an in-place change: quantize now, cache untouched
-        assert n_weight_quant() == 3 and layer.weight_cache.quantized is cached and layer.weight_cache.hits == 2
-        assert spies["group_quantize"].calls[-1][1].get("output") is None
-        assert not torch.equal(y4, y5)
+        y4 = layer(x, splits)  # None: quantize now, cache untouched
+        assert n_weight_quant() == 3 and torch.equal(y3, y4) and layer.weight_cache.quantized is cached
 
 
 def test_cache_is_dropped_on_load_and_move():

@@ -316,8 +316,12 @@ def test_optimizer_hands_unfusable_layers_to_torch():
 
 def test_optimizer_checks_its_layers():
     m = _mlp("cpu")
-    with pytest.raises(ValueError, match="not parameters of this optimizer"):
+    with pytest.raises(ValueError, match="only some of the weights"):
         lpmoe.optim.AdamW([m.linear_fc1.weight0], fp8_weights_of=m)
+    with pytest.raises(ValueError, match="none of its lpmoe GroupedLinear layers"):
+        lpmoe.optim.AdamW([m.linear_fc1.bias0], fp8_weights_of=m)
+    opt = lpmoe.optim.AdamW(m.linear_fc1.parameters(), fp8_weights_of=m)  # fc2: another optimizer's
+    assert [u.name for u in opt._layers] == ["linear_fc1"]
     groups = [{"params": [m.linear_fc1.weight0]}, {"params": [p for n, p in m.named_parameters()
                                                               if n != "linear_fc1.weight0"]}]
     with pytest.raises(ValueError, match="split across parameter groups"):
@@ -327,26 +331,126 @@ def test_optimizer_checks_its_layers():
 
 
 @pytest.mark.parametrize("device", devices())
-def test_default_calls_read_only_a_current_cache(device):
-    """is_first_microbatch=True fills the cache; later default calls read it
-    while it holds the weights as they are, and quantize again once an
-    in-place change (here torch's optimizer) made it stale: the outputs
-    equal a layer that quantizes every call."""
+def test_default_calls_read_only_a_current_optimizer_cache(device):
+    """Default calls read a cache only after lpmoe.optim.AdamW wrote it, and
+    only while the weights are unchanged (an in-place op bumps their
+    version); a cache filled by is_first_microbatch=True is not read (its
+    writers need not be seen by version counters).  Outputs always equal a
+    twin that quantizes every call."""
     a = _mlp(device)
     b = copy.deepcopy(a)
-    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
-    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    opt = lpmoe.optim.AdamW(a.parameters(), lr=1e-2, fp8_weights_of=a)
     splits = torch.tensor(SPLITS, device=device) if device == "cuda" else SPLITS
     x = torch.randn(sum(SPLITS), K, device=device)
-    with torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
-        y1 = a(x, splits, is_first_microbatch=True)
-        y2 = a(x, splits)
-    assert torch.equal(y1, y2) and a.linear_fc1.weight_cache.hits == 1
-    ya = _train(a, opt_a, 3, device)
-    yb = _train(b, opt_b, 3, device)
-    for u, w in zip(ya, yb):
-        assert torch.equal(u, w)
-    assert a.linear_fc1.weight_cache.hits == 2  # the first step's call only
+    cache = a.linear_fc1.weight_cache
+
+    def both():
+        with torch.no_grad(), torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
+            return a(x, splits), b(x, splits)
+    with torch.no_grad(), torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
+        a(x, splits, is_first_microbatch=True)
+    u, w = both()
+    assert cache.hits == 0 and torch.equal(u, w)
+    _train(a, opt, 1, device)
+    for p, q in zip(a.parameters(), b.parameters()):
+        with torch.no_grad():
+            q.copy_(p)
+    u, w = both()
+    assert cache.hits == 1 and torch.equal(u, w)
+    with torch.no_grad():
+        for mod in (a, b):
+            mod.linear_fc1.weight1.mul_(0.5)
+    u, w = both()
+    assert cache.hits == 1 and torch.equal(u, w)
+
+
+def test_inference_tensors_are_never_trusted():
+    """Parameters made under torch.inference_mode have no version counter:
+    caching still works, and nothing is read by default calls."""
+    with torch.inference_mode():
+        m = _mlp("cpu", dtype=BF16)
+        x = torch.randn(sum(SPLITS), K, dtype=BF16)
+        with lpmoe.autocast(recipe=FP8):
+            y1 = m(x, SPLITS, is_first_microbatch=True)
+            y2 = m(x, SPLITS)
+            m.linear_fc1.weight_cache.record(m.linear_fc1.weights)
+            y3 = m(x, SPLITS)
+    assert torch.equal(y1, y2) and torch.equal(y2, y3) and m.linear_fc1.weight_cache.hits == 0
+
+
+def test_grad_scaler_steps_go_to_torch():
+    """A fused torch AdamW applies GradScaler's scale and inf flag itself;
+    the fused layer step does not, so with a scaler those layers go to
+    torch: the same parameters as torch.optim.AdamW(fused=True)."""
+    a = _mlp("cpu")
+    b = copy.deepcopy(a)
+    opt_a = lpmoe.optim.AdamW(a.parameters(), lr=1e-3, fused=True, fp8_weights_of=a)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-3, fused=True)
+    before = lpmoe.optim.stats()
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            x = torch.randn(sum(SPLITS), K, generator=gen)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=BF16), lpmoe.autocast(recipe=FP8):
+                loss = model(x, SPLITS).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    after = lpmoe.optim.stats()
+    assert after["fused"] == before["fused"] and after["torch"] - before["torch"] == 4
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_an_expert_without_gradient_sends_its_layer_to_torch():
+    """torch's AdamW skips an expert whose gradient is None, so the
+    experts' step counts part; the fused step (one count per layer) then
+    leaves that layer to torch for good, the other layer stays fused."""
+    m = _mlp("cpu")
+    opt = lpmoe.optim.AdamW(m.parameters(), lr=1e-3, fp8_weights_of=m)
+    _train(m, opt, 1, "cpu")
+    x = torch.randn(sum(SPLITS), K)
+    for drop in (True, False):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=BF16), lpmoe.autocast(recipe=FP8):
+            m(x, SPLITS).float().sum().backward()
+        if drop:
+            m.linear_fc1.weight0.grad = None
+        before = lpmoe.optim.stats()
+        opt.step()
+        after = lpmoe.optim.stats()
+        assert after["fused"] - before["fused"] == 1 and after["torch"] - before["torch"] == 1
+    steps = [opt.state[w]["step"].item() for w in m.linear_fc1.weights]
+    assert steps == [2.0, 3.0, 3.0, 3.0]
+    assert all(opt.state[w]["step"].item() == 3.0 for w in m.linear_fc2.weights)
+
+
+@requires_cuda
+def test_fused_group_hands_layers_back_to_torch_on_the_device():
+    """With fused=True torch keeps step counts on the parameters' device;
+    a layer that leaves the fused path for a step gets them back there
+    (torch's fused kernel takes no CPU counts) and returns afterwards."""
+    m = _mlp("cuda")
+    opt = lpmoe.optim.AdamW(m.parameters(), lr=1e-3, fused=True, fp8_weights_of=m)
+    _train(m, opt, 1, "cuda")
+    wanted = m.linear_fc1.weight_cache.wanted
+    x = torch.randn(sum(SPLITS), K, device="cuda")
+    splits = torch.tensor(SPLITS, device="cuda")
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=BF16), lpmoe.autocast(recipe=FP8):
+        m(x, splits).float().sum().backward()
+    m.linear_fc1.weight_cache.wanted = None  # as after a forward without the FP8 recipe
+    before = lpmoe.optim.stats()
+    opt.step()
+    assert lpmoe.optim.stats()["torch"] - before["torch"] == 1
+    assert all(opt.state[w]["step"].device.type == "cuda" for w in m.linear_fc1.weights)
+    m.linear_fc1.weight_cache.wanted = wanted
+    before = lpmoe.optim.stats()
+    _train(m, opt, 1, "cuda")
+    assert lpmoe.optim.stats()["fused"] - before["fused"] == 2
+    assert all(opt.state[p]["step"].item() == 3 for p in m.parameters())
 
 
 @requires_cuda

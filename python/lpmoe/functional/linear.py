@@ -178,7 +178,9 @@ def grouped_linear(inp: torch.Tensor, m_splits, weights: Params, biases: Optiona
             block weights across calls (emulated recipes quantize the
             weights on every call).
         is_first_microbatch: FP8 weight caching.  None: quantize the weights
-            on every call, no caching.  True: quantize into ``weight_cache``.
+            on every call, no caching (eager calls read a ``weight_cache``
+            that lpmoe.optim.AdamW wrote for exactly these weights: the same
+            bits).  True: quantize into ``weight_cache``.
             False: reuse ``weight_cache`` (weights unchanged since the last
             True call, e.g. later micro-batches of a step).
         fuse_wgrad_accumulation: add the weight gradients into each

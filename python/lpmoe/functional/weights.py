@@ -69,14 +69,18 @@ class WeightCache:
         self.wanted = None
 
     def record(self, params) -> None:
-        """:attr:`quantized` now holds ``params`` as they are."""
+        """:attr:`quantized` now holds ``params`` as they are: what
+        lpmoe.optim.AdamW calls after writing it.  Until the weights change,
+        default calls (``is_first_microbatch=None``) read it."""
         self.source = None if tracing() else _source_key(params)
 
     def holds(self, params) -> bool:
-        """:attr:`quantized` was made from ``params`` and no in-place change
-        reached them since (PyTorch bumps a tensor's version counter on
-        every in-place op: an optimizer step, ``load_state_dict``, ``copy_``;
-        assignments through ``.data`` escape it).  A host check, no sync."""
+        """:attr:`record` was called for ``params`` and no in-place change
+        reached them since, as far as PyTorch's version counters tell (every
+        in-place op through PyTorch bumps them: an optimizer step,
+        ``load_state_dict``, ``copy_``; writes through ``.data`` or by a
+        foreign kernel do not: call :meth:`clear` after such a change).  A
+        host check, no sync."""
         return self.source is not None and not tracing() and self.source == _source_key(params)
 
     def set_skip_update(self, skip: bool) -> None:
@@ -107,10 +111,15 @@ class WeightCache:
         return self.skip_flag
 
 
-def _source_key(params) -> tuple:
-    if isinstance(params, torch.Tensor):
-        return ((params.data_ptr(), params._version),)
-    return tuple((p.data_ptr(), p._version) for p in params)
+def _source_key(params) -> Optional[tuple]:
+    """(address, version) of each parameter; None for tensors without a
+    version counter (inference tensors), which are never trusted."""
+    try:
+        if isinstance(params, torch.Tensor):
+            return ((params.data_ptr(), params._version),)
+        return tuple((p.data_ptr(), p._version) for p in params)
+    except RuntimeError:
+        return None
 
 
 def cache_in_use(cache: Optional["WeightCache"], is_first_microbatch: Optional[bool]) -> bool:
@@ -140,15 +149,16 @@ def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
 def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> GroupedTensor:
     """Quantize ``src``'s weights per ``is_first_microbatch`` semantics:
     None = quantize now, no caching, except that an eager call reads a
-    cache that holds exactly these weights in this format
-    (:meth:`WeightCache.holds`: what lpmoe.optim.AdamW leaves after its
-    step), the same bits without quantizing; True = quantize into the
-    cache; False = reuse the cache as it is (TransformerEngine's meaning:
-    nothing is checked, so weights re-gathered into the same buffers every
-    micro-batch keep their cache), quantizing into it if it is missing or
-    unfit.  Inside CUDA graph capture nothing is checked on the host: False
-    reads the cache as it is at replay, anything else quantizes (into the
-    cache, with a skip flag for replays).
+    cache lpmoe.optim.AdamW wrote for exactly these weights in this format
+    (:meth:`WeightCache.holds`), the same bits without quantizing; True =
+    quantize into the cache; False = reuse the cache as it is
+    (TransformerEngine's meaning: nothing is checked, so weights
+    re-gathered into the same buffers every micro-batch keep their cache),
+    quantizing into it if it is missing or unfit.  Caches written by True /
+    False calls are not read by None calls (their writers need not be
+    seen by version counters).  Inside CUDA graph capture nothing is
+    checked on the host: False reads the cache as it is at replay, anything
+    else quantizes (into the cache, with a skip flag for replays).
     The (G*N, K) operand is made only when something is quantized: reusing
     the cache stacks nothing (a copy, for weights not back to back)."""
     cache, first = src.cache, src.is_first_microbatch
@@ -179,7 +189,7 @@ def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> Group
         out = group_quantize(src.stacked(), cache.quantized.quantizer, num_tensors=g, output=cache.quantized)
     else:
         out = cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
-    cache.record(src.params)
+    cache.source = None  # only the optimizer's writes serve default calls
     return out
 
 

@@ -17,9 +17,10 @@ dicts, and the other parameters go through torch's implementation
 when its weights are fp32 (torch.autocast trains them in bf16, see
 lpmoe.functional.precision), all have gradients, its last forward asked for
 FP8 128x128 block weights (the FP8 block recipe), and the group's options
-are plain AdamW (no amsgrad, maximize, capturable, differentiable, tensor
-lr); otherwise torch steps it and the layer quantizes in its forward, as
-without this optimizer.  :func:`stats` counts both outcomes.
+are plain AdamW (no amsgrad, maximize, capturable, differentiable,
+non-decoupled decay, tensor hyperparameters; no GradScaler with
+``fused=True``); otherwise torch steps it and the layer quantizes in its
+forward, as without this optimizer.  :func:`stats` counts both outcomes.
 """
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ class AdamW(torch.optim.AdamW):
             capturable, differentiable, fused: as torch.optim.AdamW.
         fp8_weights_of: a module (or modules) whose lpmoe GroupedLinear
             layers (also those inside GroupedMLP and MoELayer) get their FP8
-            weights written by :meth:`step`.  Their weights must be
-            parameters of this optimizer, each layer's in one group.
+            weights written by :meth:`step`: those whose weights are
+            parameters of this optimizer, each layer's all in one group
+            (layers this optimizer does not step are left alone).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -65,19 +67,41 @@ class AdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, foreach=foreach, capturable=capturable,
                          differentiable=differentiable, fused=fused)
-        self._layers: List[ExpertWeights] = expert_weights_of(fp8_weights_of) if fp8_weights_of is not None else []
-        group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        self._group_index = []
-        for unit in self._layers:
+        found = expert_weights_of(fp8_weights_of) if fp8_weights_of is not None else []
+        group_of = self._group_of()
+        self._layers: List[ExpertWeights] = []
+        for unit in found:
             groups = {group_of.get(id(p)) for p in unit.params}
+            if groups == {None}:
+                continue  # another optimizer's (or frozen) layer
             if None in groups:
-                raise ValueError(f"fp8_weights_of: the weights of layer {unit.name!r} are not parameters of this "
-                                 "optimizer")
+                raise ValueError(f"fp8_weights_of: only some of the weights of layer {unit.name!r} are parameters "
+                                 "of this optimizer; give it all of a layer's weights or none")
             if len(groups) != 1:
                 raise ValueError(f"fp8_weights_of: the weights of layer {unit.name!r} are split across parameter "
                                  "groups; put each layer's weights in one group")
-            self._group_index.append(groups.pop())
+            self._layers.append(unit)
+        if fp8_weights_of is not None and not self._layers:
+            raise ValueError("fp8_weights_of: none of its lpmoe GroupedLinear layers has its weights in this "
+                             "optimizer")
         self._rest_cache = None
+        self._groups_cache = None
+
+    def _group_of(self) -> Dict[int, int]:
+        return {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+
+    def _layer_groups(self) -> List[Optional[dict]]:
+        """Each layer's parameter group now (None: no longer stepped here),
+        found again whenever the groups change (add_param_group, reordering)."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        if self._groups_cache is None or self._groups_cache[0] != key:
+            group_of = self._group_of()
+            found = []
+            for unit in self._layers:
+                gs = {group_of.get(id(p)) for p in unit.params}
+                found.append(self.param_groups[gs.pop()] if len(gs) == 1 and None not in gs else None)
+            self._groups_cache = (key, found)
+        return self._groups_cache[1]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -86,11 +110,11 @@ class AdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         stepped = []
-        for unit, gi in zip(self._layers, self._group_index):
-            if self._fused_step(unit, self.param_groups[gi]):
+        for unit, group in zip(self._layers, self._layer_groups()):
+            if group is not None and self._fused_step(unit, group):
                 stepped.append(unit)
-            elif all(p.grad is not None for p in unit.params):
-                _STATS["torch"] += 1
+            elif group is not None:
+                self._hand_to_torch(unit, group)
         if not stepped:
             _torch_step(self)
             return loss
@@ -107,6 +131,20 @@ class AdamW(torch.optim.AdamW):
             for g, ps in zip(self.param_groups, kept):
                 g["params"] = ps
         return loss
+
+    def _hand_to_torch(self, unit: ExpertWeights, group: dict) -> None:
+        """``unit`` goes through torch's AdamW this step: its step counts
+        are taken over again before the next fused step (torch may step
+        only some experts), and a fused / capturable group gets them back
+        on the parameters' device, where torch keeps them."""
+        if any(p.grad is not None for p in unit.params):
+            _STATS["torch"] += 1
+        unit.counts = None
+        if group.get("fused") or group.get("capturable"):
+            for p in unit.params:
+                st = self.state.get(p)
+                if st and st["step"].device != p.device:
+                    st["step"] = st["step"].to(p.device, torch.float32, copy=True)
 
     def _rest_of(self, stepped: List[ExpertWeights]) -> List[list]:
         """Each group's parameters without those of the ``stepped`` layers
@@ -125,10 +163,16 @@ class AdamW(torch.optim.AdamW):
         wanted = unit.cache.wanted
         if not (isinstance(wanted, Float8BlockQuantizer) and wanted.block_dim == 2):
             return None
-        if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable"):
+        if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable") \
+                or not group.get("decoupled_weight_decay", True):
             return None
         if any(isinstance(group[k], torch.Tensor) for k in ("lr", "weight_decay", "eps")) or any(
                 isinstance(b, torch.Tensor) for b in group["betas"]):
+            return None
+        # GradScaler hands a fused optimizer its scale and inf flag to apply
+        # itself (torch's fused kernels do); the fused layer step does not:
+        # torch steps these layers then.
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             return None
         params = unit.params
         grads = [p.grad for p in params]
@@ -136,8 +180,11 @@ class AdamW(torch.optim.AdamW):
             if g is None or p.dtype != torch.float32 or g.dtype != torch.float32 or g.layout != torch.strided \
                     or not g.is_contiguous():
                 return None
+        if getattr(params[0], "grad_added_to_main_grad", False):
+            return None  # .grad is a placeholder (the gradient went to main_grad): as torch would, torch steps it
         if unit.quantizer is None or unit.quantizer[0] is not wanted:
             unit.quantizer = (wanted, wanted.copy(rowwise=True, columnwise=True))
+            unit.buffers_of = None  # another format: check the cache's buffers again
         return unit.quantizer[1], grads
 
     def _fused_step(self, unit: ExpertWeights, group: dict) -> bool:
@@ -152,8 +199,7 @@ class AdamW(torch.optim.AdamW):
             counts = self._adopt_steps(unit, params, states)
             if counts is None:
                 return False
-        counts.add_(1.0)  # every expert's step count, one op
-        step = int(counts[0])  # read back: torch's AdamW may have stepped the views meanwhile
+        step = int(counts[0]) + 1
         beta1, beta2 = group["betas"]
         scalars = adamw_scalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
         cache = unit.cache
@@ -169,6 +215,7 @@ class AdamW(torch.optim.AdamW):
         OPS["adamw_fp8_block_step"](members(params), members(grads), members([st["exp_avg"] for st in states]),
                                     members([st["exp_avg_sq"] for st in states]), scalars, cache.quantized.quantizer,
                                     [getattr(cache.quantized, b) for b in QUANTIZED_BUFFERS], validate=False)
+        counts.add_(1.0)  # every expert's step count, one op (after the launch: a refused launch counts nothing)
         cache.record(unit.weights)
         _STATS["fused"] += 1
         return True
@@ -179,6 +226,8 @@ class AdamW(torch.optim.AdamW):
         tensor so a step adds 1 to all of them in one op; torch's AdamW
         reads and writes such views as its own.  None when the experts'
         counts differ (torch steps the layer)."""
+        if any(not st for st in states) and not all(not st for st in states):
+            return None  # some experts were stepped before, some never: torch's per-expert counts
         for p, st in zip(params, states):
             if not st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
