@@ -539,3 +539,47 @@ def test_weights_quantized_in_a_capture_are_not_trusted_eagerly():
         want = twin(x, splits)
     assert m.linear_fc1.weight_cache.hits == hits
     assert torch.equal(y, want)
+
+
+def test_other_groups_and_formats():
+    """Layers stay fused across add_param_group; another FP8 format asked
+    for remakes the cache's buffers in it; a group asking for coupled
+    weight decay goes to torch."""
+    m = _mlp("cpu")
+    experts = [p for n, p in m.named_parameters() if "weight" in n]
+    opt = lpmoe.optim.AdamW(experts, lr=1e-3, fp8_weights_of=m)
+    opt.add_param_group({"params": [p for n, p in m.named_parameters() if "bias" in n]})
+    before = lpmoe.optim.stats()
+    _train(m, opt, 1, "cpu")
+    assert lpmoe.optim.stats()["fused"] - before["fused"] == 2
+    e5m2 = lpmoe.Float8BlockQuantizer(block_dim=2, fp8_dtype=torch.float8_e5m2)
+    x = torch.randn(sum(SPLITS), K)
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=BF16), lpmoe.autocast(recipe=FP8):
+        m(x, SPLITS).float().sum().backward()
+    m.linear_fc1.weight_cache.wanted = e5m2
+    opt.step()
+    q = m.linear_fc1.weight_cache.quantized
+    assert q.quantizer.fp8_dtype == torch.float8_e5m2
+    want = lpmoe.group_quantize(torch.stack(m.linear_fc1.weights).view(-1, K), e5m2.copy(), num_tensors=G)
+    assert torch.equal(q.rowwise_data.view(torch.uint8), want.rowwise_data.view(torch.uint8))
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    before = lpmoe.optim.stats()
+    _train(m, opt, 1, "cpu")
+    after = lpmoe.optim.stats()
+    assert after["fused"] == before["fused"] and after["torch"] - before["torch"] == 2
+
+
+def test_main_grad_layers_go_to_torch():
+    """With fuse_wgrad_accumulation the gradient goes to main_grad and
+    .grad is a placeholder: the fused step must not read it."""
+    m = _mlp("cpu", fuse_wgrad_accumulation=True)
+    for lin in (m.linear_fc1, m.linear_fc2):
+        for w in lin.weights:
+            w.main_grad = torch.zeros_like(w)
+            w.grad_added_to_main_grad = False
+    opt = lpmoe.optim.AdamW(m.parameters(), lr=1e-3, fp8_weights_of=m)
+    before = lpmoe.optim.stats()
+    _train(m, opt, 1, "cpu")
+    after = lpmoe.optim.stats()
+    assert after["fused"] == before["fused"] and after["torch"] - before["torch"] == 2
