@@ -182,7 +182,8 @@ def main():
             print(f"train step g={g} tok={tokens}{' stacked' if stacked else ''} | {cells} | fp8+torch / fp8+lpmoe "
                   f"{t['fp8+torch'] / t['fp8+lpmoe']:4.2f}x, bf16 / fp8+lpmoe {t['bf16+torch'] / t['fp8+lpmoe']:4.2f}x"
                   f", bf16 / fp8+torch {t['bf16+torch'] / t['fp8+torch']:4.2f}x", flush=True)
-            rows.append((f"train step g={g} tok={tokens}{' stacked' if stacked else ''} fp8+torch/fp8+lpmoe | bf16/fp8+lpmoe",
+            tag = f"g={g} tok={tokens}{' stacked' if stacked else ''}"
+            rows.append((f"train step {tag} fp8+torch/fp8+lpmoe | bf16/fp8+lpmoe",
                          f"{t['fp8+torch'] / t['fp8+lpmoe']:.2f}x | {t['bf16+torch'] / t['fp8+lpmoe']:.2f}x"))
     write_summary(args.summary, rows)
 
