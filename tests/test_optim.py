@@ -233,3 +233,38 @@ def test_weights_quantized_in_a_capture_are_not_trusted_eagerly():
         want = twin(x, splits)
     assert m.linear_fc1.weight_cache.hits == hits
     assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_compiled_model_reads_the_optimizer_weights(device):
+    """torch.compile(fullgraph=True) of the MLP with is_first_microbatch=False
+    (compiled default calls carry no cache, docs/optimizer-notes.md): the
+    first call fills the cache, the optimizer rewrites it every step, and
+    every output and parameter equals an eager twin that quantizes."""
+    a = _mlp(device)
+    b = copy.deepcopy(a)
+    opt_a = lpmoe.optim.AdamW(a.parameters(), lr=1e-3, fp8_weights_of=a)
+    opt_b = lpmoe.optim.AdamW(b.parameters(), lr=1e-3, fp8_weights_of=b)
+    compiled = torch.compile(a, fullgraph=True)
+    splits = torch.tensor(SPLITS, device=device)
+    gen = torch.Generator().manual_seed(0)
+    before = lpmoe.optim.stats()["fused"]
+    for _ in range(3):
+        x = torch.randn(sum(SPLITS), K, generator=gen).to(device)
+        dy = torch.randn(sum(SPLITS), K, generator=gen).to(device, BF16)
+        ys = []
+        for model, opt, first in ((compiled, opt_a, False), (b, opt_b, None)):
+            if first is None:
+                for lin in (b.linear_fc1, b.linear_fc2):
+                    lin.weight_cache.source = None
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
+                y = model(x, splits, is_first_microbatch=first)
+            y.backward(dy)
+            opt.step()
+            ys.append(y.detach())
+        assert torch.equal(ys[0], ys[1])
+    assert lpmoe.optim.stats()["fused"] - before == 12
+    assert a.linear_fc1.weight_cache.hits == 2
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
