@@ -28,6 +28,7 @@ from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 
+from lpmoe.functional.weights import stack_weights
 from lpmoe.library.routing import OPS
 from lpmoe.optim.kernels import QUANTIZED_BUFFERS
 from lpmoe.optim.units import ExpertWeights, expert_weights_of
@@ -71,7 +72,7 @@ class AdamW(torch.optim.AdamW):
         group_of = self._group_of()
         self._layers: List[ExpertWeights] = []
         for unit in found:
-            groups = {group_of.get(id(p)) for p in unit.params}
+            groups = _groups_of(unit, group_of)
             if groups == {None}:
                 continue  # another optimizer's (or frozen) layer
             if None in groups:
@@ -98,7 +99,7 @@ class AdamW(torch.optim.AdamW):
             group_of = self._group_of()
             found = []
             for unit in self._layers:
-                gs = {group_of.get(id(p)) for p in unit.params}
+                gs = _groups_of(unit, group_of)
                 found.append(self.param_groups[gs.pop()] if len(gs) == 1 and None not in gs else None)
             self._groups_cache = (key, found)
         return self._groups_cache[1]
@@ -203,16 +204,16 @@ class AdamW(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         scalars = adamw_scalars(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
         cache = unit.cache
+        members = (lambda ts: list(ts[0].unbind(0))) if params[0].dim() == 3 else list
+        weights = members(params)
         if cache.quantized is None or unit.buffers_of is not cache.quantized:
             g, n, k = unit.shape
             p0 = params[0]
             if not cache.usable_for(q, g, (g * n, k), p0.dtype, p0.device):
                 # the cache's buffers, made once (their values are overwritten below)
-                stacked = p0.view(g * n, k) if p0.dim() == 3 else torch.stack(params).view(g * n, k)
-                cache.quantized = group_quantize(stacked, q, num_tensors=g)
+                cache.quantized = group_quantize(stack_weights(weights), q, num_tensors=g)
             unit.buffers_of = cache.quantized
-        members = (lambda ts: list(ts[0].unbind(0))) if params[0].dim() == 3 else list
-        OPS["adamw_fp8_block_step"](members(params), members(grads), members([st["exp_avg"] for st in states]),
+        OPS["adamw_fp8_block_step"](weights, members(grads), members([st["exp_avg"] for st in states]),
                                     members([st["exp_avg_sq"] for st in states]), scalars, cache.quantized.quantizer,
                                     [getattr(cache.quantized, b) for b in QUANTIZED_BUFFERS], validate=False)
         counts.add_(1.0)  # every expert's step count, one op (after the launch: a refused launch counts nothing)
@@ -241,6 +242,12 @@ class AdamW(torch.optim.AdamW):
             st["step"] = counts[i]
         unit.counts = counts
         return counts
+
+
+def _groups_of(unit: ExpertWeights, group_of: Dict[int, int]) -> set:
+    """Indices of the parameter groups holding ``unit``'s weights (None for
+    a weight in none)."""
+    return {group_of.get(id(p)) for p in unit.params}
 
 
 def _torch_step(opt: AdamW) -> None:

@@ -68,11 +68,11 @@ def adamw_fp8_block_step_impl(params: List[Tensor], grads: List[Tensor], exp_avg
         # check, WeightCache.holds).
         torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs])
         return
+    from lpmoe.functional.weights import stack_weights
     from lpmoe.quantize import group_quantize
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         adamw_step_(p, g, m, v, scalars)
-    q = group_quantize(torch.cat([p.reshape(1, -1) for p in params]).view(-1, params[0].shape[1]),
-                       quantizer.copy(rowwise=True, columnwise=True), num_tensors=len(params))
+    q = group_quantize(stack_weights(params), quantizer.copy(rowwise=True, columnwise=True), num_tensors=len(params))
     for name, dst in zip(QUANTIZED_BUFFERS, out):
         src = getattr(q, name).reshape(-1)
         dst.view(-1)[: src.numel()].copy_(src)
