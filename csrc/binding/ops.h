@@ -135,11 +135,12 @@ void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c
 void grouped_row_epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
                           const at::Tensor& padded_row_offsets, int64_t num_groups, bool zero_tail);
 
-// Fused AdamW + FP8 128x128 quantization of a group of same-shape fp32
-// weights (csrc/optim); see lpmoe/optim/kernels.py.  scalars: decay, beta1,
+// Fused AdamW + FP8 128x128 quantization of a group of same-shape weights
+// (csrc/optim): fp32 parameters (masters empty), or bf16 / fp16 parameters
+// with fp32 masters; see lpmoe/optim/kernels.py.  scalars: decay, beta1,
 // 1 - beta1, beta2, 1 - beta2, step_size, sqrt(bias_correction2), eps.
 void adamw_fp8_block_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                           const std::vector<double>& scalars, bool e5m2, bool pow2_scales, double amax_epsilon,
                           const at::Tensor& out_data, const at::Tensor& out_scale, const at::Tensor& out_col_data,
                           const at::Tensor& out_col_scale);

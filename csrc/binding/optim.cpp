@@ -12,15 +12,15 @@ namespace binding {
 
 namespace {
 
-// Every tensor of `list` is a contiguous, 16-byte aligned fp32 CUDA tensor
-// of ref's shape and device.
-void check_members(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* name) {
+// Every tensor of `list` is a contiguous, 16-byte aligned CUDA tensor of
+// dtype `dt` and ref's shape and device.
+void check_members(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* name,
+                   at::ScalarType dt) {
   for (size_t i = 0; i < list.size(); ++i) {
     const at::Tensor& t = list[i];
     check_cuda(t, name);
     check_same_device(t, ref, name, "params[0]");
-    TORCH_CHECK(t.scalar_type() == at::kFloat, "lpmoe: `", name, "[", i, "]` must be float32, got ",
-                t.scalar_type());
+    TORCH_CHECK(t.scalar_type() == dt, "lpmoe: `", name, "[", i, "]` must be ", dt, ", got ", t.scalar_type());
     TORCH_CHECK(t.sizes() == ref.sizes(), "lpmoe: `", name, "[", i, "]` has shape ", t.sizes(), ", expected ",
                 ref.sizes());
     check_contiguous(t, name);
@@ -32,7 +32,7 @@ void check_members(const std::vector<at::Tensor>& list, const at::Tensor& ref, c
 }  // namespace
 
 void adamw_fp8_block_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                           const std::vector<double>& scalars, bool e5m2, bool pow2_scales, double amax_epsilon,
                           const at::Tensor& out_data, const at::Tensor& out_scale, const at::Tensor& out_col_data,
                           const at::Tensor& out_col_scale) {
@@ -45,10 +45,21 @@ void adamw_fp8_block_step(const std::vector<at::Tensor>& params, const std::vect
   TORCH_CHECK(scalars.size() == 8, "lpmoe: adamw_fp8_block_step takes 8 scalars, got ", scalars.size());
   const at::Tensor& ref = params[0];
   TORCH_CHECK(ref.dim() == 2, "lpmoe: fused AdamW parameters must be 2-D (out, in), got ", ref.sizes());
-  check_members(params, ref, "params");
-  check_members(grads, ref, "grads");
-  check_members(exp_avgs, ref, "exp_avgs");
-  check_members(exp_avg_sqs, ref, "exp_avg_sqs");
+  // fp32 parameters are stepped in place; bf16 / fp16 ones through their
+  // fp32 masters (then one per parameter), with gradients of their dtype
+  const at::ScalarType pt = ref.scalar_type();
+  const bool master = pt != at::kFloat;
+  TORCH_CHECK(pt == at::kFloat || pt == at::kBFloat16 || pt == at::kHalf,
+              "lpmoe: fused AdamW parameters must be float32, bfloat16 or float16, got ", pt);
+  TORCH_CHECK(masters.size() == (master ? g : 0), "lpmoe: ",
+              master ? "16-bit parameters need one float32 master per parameter"
+                     : "float32 parameters take no masters",
+              ", got ", masters.size(), " masters for ", g, " parameters");
+  check_members(params, ref, "params", pt);
+  check_members(grads, ref, "grads", pt);
+  check_members(masters, ref, "masters", at::kFloat);
+  check_members(exp_avgs, ref, "exp_avgs", at::kFloat);
+  check_members(exp_avg_sqs, ref, "exp_avg_sqs", at::kFloat);
   const int64_t n = ref.size(0), k = ref.size(1);
   TORCH_CHECK(k % 16 == 0, "lpmoe: FP8 block scaling needs in_features to be a multiple of 16, got ", k);
   const int64_t members = static_cast<int64_t>(g);
@@ -61,11 +72,13 @@ void adamw_fp8_block_step(const std::vector<at::Tensor>& params, const std::vect
   TORCH_CHECK(out_scale.scalar_type() == at::kFloat && out_col_scale.scalar_type() == at::kFloat,
               "lpmoe: FP8 block scales must be float32");
 
-  std::vector<float*> p(g), m(g), v(g);
-  std::vector<const float*> gr(g);
+  std::vector<void*> p(g);
+  std::vector<const void*> gr(g);
+  std::vector<float*> w(master ? g : 0), m(g), v(g);
   for (size_t i = 0; i < g; ++i) {
-    p[i] = params[i].data_ptr<float>();
-    gr[i] = grads[i].data_ptr<float>();
+    p[i] = params[i].data_ptr();
+    gr[i] = grads[i].data_ptr();
+    if (master) w[i] = masters[i].data_ptr<float>();
     m[i] = exp_avgs[i].data_ptr<float>();
     v[i] = exp_avg_sqs[i].data_ptr<float>();
   }
@@ -74,8 +87,10 @@ void adamw_fp8_block_step(const std::vector<at::Tensor>& params, const std::vect
   a.num_tensors = static_cast<int>(g);
   a.rows = n;
   a.cols = k;
+  a.dtype = pt == at::kFloat ? DType::kFloat32 : pt == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat16;
   a.params = p.data();
   a.grads = gr.data();
+  a.masters = master ? w.data() : nullptr;
   a.exp_avgs = m.data();
   a.exp_avg_sqs = v.data();
   optim::AdamWScalars& s = a.scalars;

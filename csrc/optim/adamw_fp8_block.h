@@ -1,6 +1,14 @@
-// AdamW step of a group of same-shape fp32 expert weights, fused with the FP8
+// AdamW step of a group of same-shape expert weights, fused with the FP8
 // 128x128 block quantization of the updated weights (rowwise copy and
 // per-member transposed copy, the grouped layout of fp8_block.h).
+//
+// Two kinds of weights: fp32 parameters stepped in place, or bf16 / fp16
+// parameters with fp32 master copies (Megatron's and TransformerEngine's
+// FusedAdam's master weights), where the master is stepped and the
+// parameter is written as the master rounded to nearest even.  The FP8
+// copies are always those of the parameter as written (for 16-bit
+// parameters: of the rounded values), so a layer that quantized its
+// parameter itself would get the same bits.
 //
 // Why fused: a layer that quantizes its weights in every forward reads each
 // fp32 weight again (4 bytes) right after the optimizer wrote it.  Quantizing
@@ -25,6 +33,7 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
+#include "common/dtypes.h"
 #include "fp8_block/fp8_block.h"
 
 namespace lpmoe {
@@ -45,8 +54,12 @@ struct AdamWFp8BlockArgs {
   int num_tensors = 0;
   int64_t rows = 0;                  // N: rows of every member
   int64_t cols = 0;                  // K: multiple of 16
-  float* const* params = nullptr;    // host arrays of num_tensors pointers
-  const float* const* grads = nullptr;
+  // The parameters' and gradients' dtype (the same for both): kFloat32 with
+  // masters == nullptr, or kBFloat16 / kFloat16 with fp32 masters.
+  DType dtype = DType::kFloat32;
+  void* const* params = nullptr;     // host arrays of num_tensors pointers
+  const void* const* grads = nullptr;
+  float* const* masters = nullptr;   // fp32 master weights, or nullptr
   float* const* exp_avgs = nullptr;
   float* const* exp_avg_sqs = nullptr;
   AdamWScalars scalars;
