@@ -17,8 +17,9 @@ GEMMs differ (lpmoe.autocast(Float8BlockScaling()) for FP8).  Parameters are
 bf16 with fp32 master weights in the optimizer, or with ``--params fp32``
 fp32 trained in place under torch.autocast(bfloat16) (PyTorch's usual mixed
 precision; lpmoe then quantizes the experts' weights straight from fp32 and
-writes fp32 weight gradients; ``--optimizer lpmoe`` steps them with
-lpmoe.optim.AdamW, which also writes the experts' FP8 weights).  Prints the loss and
+writes fp32 weight gradients).  ``--optimizer lpmoe`` steps either with
+lpmoe.optim.AdamW (``master_weights=True`` for bf16 parameters), which also
+writes the experts' FP8 weights.  Prints the loss and
 tokens/s, the FP8/BF16 gap of the final validation loss (the whole held-out
 text) per seed beside BF16's spread across seeds, and writes a PNG of the
 loss curves.
@@ -231,14 +232,16 @@ class AmpAdamW:
     """AdamW on fp32 parameters themselves (--params fp32, torch.autocast):
     PyTorch's usual mixed precision, no master copies.  ``--optimizer
     lpmoe``: lpmoe.optim.AdamW, which also writes the experts' FP8 weights
-    in its step (the FP8 forward then quantizes none)."""
+    in its step (the FP8 forward then quantizes none); for bf16 parameters
+    with its fp32 master weights (``master_weights=True``)."""
 
     def __init__(self, model, lr, weight_decay=0.1, kind="torch"):
         self.params = [p for p in model.parameters() if p.requires_grad]
         fused = self.params[0].is_cuda
         kw = dict(lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
-        self.opt = (lpmoe.optim.AdamW(self.params, fp8_weights_of=model, **kw) if kind == "lpmoe"
-                    else torch.optim.AdamW(self.params, **kw))
+        master = self.params[0].dtype != torch.float32
+        self.opt = (lpmoe.optim.AdamW(self.params, fp8_weights_of=model, master_weights=master, **kw)
+                    if kind == "lpmoe" else torch.optim.AdamW(self.params, **kw))
 
     def step(self, lr):
         for g in self.opt.param_groups:
@@ -257,7 +260,8 @@ def train(args, label, recipe, seed, train_data, val_data, device) -> Dict[str, 
         opt = AmpAdamW(model, args.lr, kind=args.optimizer)
     else:
         model = model.to(torch.bfloat16)
-        opt = MasterAdamW(model.parameters(), args.lr)
+        opt = (AmpAdamW(model, args.lr, kind="lpmoe") if args.optimizer == "lpmoe"
+               else MasterAdamW(model.parameters(), args.lr))
     mixed = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)  # noqa: E731
     batches = Windows(train_data, args.batch, args.seq, torch.Generator().manual_seed(seed + 1), device)
     val = Windows(val_data, args.batch, args.seq, None, device)   # every validation window, in file order
@@ -319,8 +323,8 @@ def parse_args(argv: Optional[List[str]] = None):
                    help="bf16 parameters with fp32 master copies in the optimizer, or fp32 parameters "
                         "trained under torch.autocast(bfloat16) with a plain AdamW")
     p.add_argument("--optimizer", choices=("torch", "lpmoe"), default="torch",
-                   help="with --params fp32: torch.optim.AdamW, or lpmoe.optim.AdamW (writes the experts' FP8 "
-                        "weights in its step)")
+                   help="torch.optim.AdamW (on fp32 masters of bf16 parameters), or lpmoe.optim.AdamW (writes "
+                        "the experts' FP8 weights in its step; master_weights=True for bf16 parameters)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plot", default="moe_lm_loss.png", help="PNG path ('' to skip)")
     p.add_argument("--json", default="", help="also write every run's history here (to pool seeds run as processes)")
@@ -329,8 +333,6 @@ def parse_args(argv: Optional[List[str]] = None):
     args = p.parse_args(argv)
     if args.pos == "rope" and (args.d_model % args.heads or (args.d_model // args.heads) % 2):
         p.error(f"--pos rope needs an even head size: --d-model {args.d_model} / --heads {args.heads}")
-    if args.optimizer == "lpmoe" and args.params != "fp32":
-        p.error("--optimizer lpmoe steps fp32 parameters: add --params fp32")
     return args
 
 

@@ -13,9 +13,12 @@ nothing.  Numbers: docs/optimizer-notes.md.
 Everything else is torch.optim.AdamW: the same hyperparameters, parameter
 groups, state layout (``step``, ``exp_avg``, ``exp_avg_sq``) and state
 dicts, and the other parameters go through torch's implementation
-(``foreach`` / ``fused`` as given).  A layer is stepped by the fused kernel
-when its weights are fp32 (torch.autocast trains them in bf16, see
-lpmoe.functional.precision), all have gradients, its last forward asked for
+(``foreach`` / ``fused`` as given).  With ``master_weights=True`` every
+bf16 / fp16 parameter is trained through an fp32 master copy in its state
+(lpmoe.optim.masters).  A layer is stepped by the fused kernel when its
+weights are fp32 (torch.autocast trains them in bf16, see
+lpmoe.functional.precision) or 16-bit with master weights, all have
+gradients of the weights' dtype, its last forward asked for
 FP8 128x128 block weights (the FP8 block recipe), and the group's options
 are plain AdamW (no amsgrad, maximize, capturable, differentiable,
 non-decoupled decay, tensor hyperparameters; no GradScaler with
@@ -30,7 +33,8 @@ import torch
 
 from lpmoe.functional.weights import stack_weights
 from lpmoe.library.routing import OPS
-from lpmoe.optim.kernels import QUANTIZED_BUFFERS
+from lpmoe.optim.kernels import MASTER_DTYPES, QUANTIZED_BUFFERS
+from lpmoe.optim.masters import Masters, keep_fp32_state, masters_in_place_of
 from lpmoe.optim.units import ExpertWeights, expert_weights_of
 from lpmoe.quantize import group_quantize
 from lpmoe.quantizers import Float8BlockQuantizer
@@ -58,16 +62,24 @@ class AdamW(torch.optim.AdamW):
             weights written by :meth:`step`: those whose weights are
             parameters of this optimizer, each layer's all in one group
             (layers this optimizer does not step are left alone).
+        master_weights: keep an fp32 master copy of every bf16 / fp16
+            parameter (state ``master_param``), step the master and write
+            the parameter as the master rounded to its dtype
+            (TransformerEngine FusedAdam's ``master_weights``); the moments
+            of such parameters are fp32.  fp32 parameters are stepped in
+            place either way.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  fp8_weights_of: Optional[Union[torch.nn.Module, Iterable[torch.nn.Module]]] = None,
-                 maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
-                 differentiable: bool = False, fused: Optional[bool] = None):
+                 master_weights: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, foreach=foreach, capturable=capturable,
                          differentiable=differentiable, fused=fused)
+        self.master_weights = bool(master_weights)
+        self._masters = Masters(self.state)
         found = expert_weights_of(fp8_weights_of) if fp8_weights_of is not None else []
         group_of = self._group_of()
         self._layers: List[ExpertWeights] = []
@@ -110,6 +122,8 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.master_weights and self._masters.unverified:
+            self._masters.verify([p for g in self.param_groups for p in g["params"]])
         stepped = []
         for unit, group in zip(self._layers, self._layer_groups()):
             if group is not None and self._fused_step(unit, group):
@@ -117,7 +131,7 @@ class AdamW(torch.optim.AdamW):
             elif group is not None:
                 self._hand_to_torch(unit, group)
         if not stepped:
-            _torch_step(self)
+            self._step_rest()
             return loss
         # torch's AdamW steps the rest: the groups without the fused layers'
         # parameters for the length of the call
@@ -127,11 +141,27 @@ class AdamW(torch.optim.AdamW):
             for g, ps in zip(self.param_groups, rest):
                 g["params"] = ps
             if any(rest):
-                _torch_step(self)
+                self._step_rest()
         finally:
             for g, ps in zip(self.param_groups, kept):
                 g["params"] = ps
         return loss
+
+    def _step_rest(self) -> None:
+        """torch's AdamW over the groups' parameters as they are now (for
+        master weights: over the masters in the 16-bit parameters' place)."""
+        if self.master_weights:
+            with masters_in_place_of(self._masters, self.param_groups):
+                _torch_step(self)
+        else:
+            _torch_step(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._masters = Masters(self.state)  # torch's load made a new state dict
+        if self.master_weights:
+            keep_fp32_state(self, state_dict)
+            self._masters.unverified = True
 
     def _hand_to_torch(self, unit: ExpertWeights, group: dict) -> None:
         """``unit`` goes through torch's AdamW this step: its step counts
@@ -177,8 +207,11 @@ class AdamW(torch.optim.AdamW):
             return None
         params = unit.params
         grads = [p.grad for p in params]
+        dtype = params[0].dtype
+        if not (dtype == torch.float32 or (self.master_weights and dtype in MASTER_DTYPES)):
+            return None
         for p, g in zip(params, grads):
-            if g is None or p.dtype != torch.float32 or g.dtype != torch.float32 or g.layout != torch.strided \
+            if g is None or p.dtype != dtype or g.dtype != dtype or g.layout != torch.strided \
                     or not g.is_contiguous():
                 return None
         if getattr(params[0], "grad_added_to_main_grad", False):
@@ -206,6 +239,7 @@ class AdamW(torch.optim.AdamW):
         cache = unit.cache
         members = (lambda ts: list(ts[0].unbind(0))) if params[0].dim() == 3 else list
         weights = members(params)
+        masters = members([self._masters.master(p) for p in params]) if params[0].dtype in MASTER_DTYPES else []
         if cache.quantized is None or unit.buffers_of is not cache.quantized:
             g, n, k = unit.shape
             p0 = params[0]
@@ -213,10 +247,12 @@ class AdamW(torch.optim.AdamW):
                 # the cache's buffers, made once (their values are overwritten below)
                 cache.quantized = group_quantize(stack_weights(weights), q, num_tensors=g)
             unit.buffers_of = cache.quantized
-        OPS["adamw_fp8_block_step"](weights, members(grads), members([st["exp_avg"] for st in states]),
+        OPS["adamw_fp8_block_step"](weights, members(grads), masters, members([st["exp_avg"] for st in states]),
                                     members([st["exp_avg_sq"] for st in states]), scalars, cache.quantized.quantizer,
                                     [getattr(cache.quantized, b) for b in QUANTIZED_BUFFERS], validate=False)
         counts.add_(1.0)  # every expert's step count, one op (after the launch: a refused launch counts nothing)
+        if masters:
+            self._masters.written(params)
         cache.record(unit.weights)
         _STATS["fused"] += 1
         return True
@@ -227,13 +263,15 @@ class AdamW(torch.optim.AdamW):
         tensor so a step adds 1 to all of them in one op; torch's AdamW
         reads and writes such views as its own.  None when the experts'
         counts differ (torch steps the layer)."""
-        if any(not st for st in states) and not all(not st for st in states):
+        fresh = ["step" not in st for st in states]
+        if any(fresh) and not all(fresh):
             return None  # some experts were stepped before, some never: torch's per-expert counts
         for p, st in zip(params, states):
-            if not st:
+            w = self._masters.master(p) if p.dtype in MASTER_DTYPES else p
+            if "step" not in st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg"] = torch.zeros_like(w, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(w, memory_format=torch.preserve_format)
         counts = torch.stack([st["step"].detach().to("cpu", torch.float32).reshape(()) for st in states])
         first = float(counts[0])  # once per layer and adoption (a device step from torch's fused AdamW: a sync)
         if not bool((counts == first).all()):
