@@ -238,9 +238,9 @@ def test_weights_quantized_in_a_capture_are_not_trusted_eagerly():
 @pytest.mark.parametrize("device", devices())
 def test_compiled_model_reads_the_optimizer_weights(device):
     """torch.compile(fullgraph=True) of the MLP with is_first_microbatch=False
-    (compiled default calls carry no cache, docs/optimizer-notes.md): the
-    first call fills the cache, the optimizer rewrites it every step, and
-    every output and parameter equals an eager twin that quantizes."""
+    (default calls: test_optim_compile.py): the first call fills the cache,
+    the optimizer rewrites it every step, and every output and parameter
+    equals an eager twin that quantizes."""
     a = _mlp(device)
     b = copy.deepcopy(a)
     opt_a = lpmoe.optim.AdamW(a.parameters(), lr=1e-3, fp8_weights_of=a)

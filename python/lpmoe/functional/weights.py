@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -15,7 +15,8 @@ from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library.routing import tracing
 from lpmoe.quantize import group_quantize
 
-__all__ = ["WeightCache", "WeightSource", "stack_weights", "cache_in_use"]
+__all__ = ["WeightCache", "WeightSource", "stack_weights", "cache_in_use", "register_optimizer_cache",
+           "optimizer_cache_of"]
 
 
 _cache_counter = itertools.count(1)
@@ -25,6 +26,43 @@ _caches_by_key: "weakref.WeakValueDictionary[int, WeightCache]" = weakref.WeakVa
 def cache_by_key(key: int) -> Optional["WeightCache"]:
     """The live WeightCache named ``key`` (None if it was freed or key < 0)."""
     return _caches_by_key.get(key) if key >= 0 else None
+
+
+# The caches lpmoe.optim.AdamW writes, by the address of their layer's first
+# weight: a compiled layer op called with is_first_microbatch=None carries
+# no cache key (identical layers share one graph), so it finds the cache of
+# the weights it was given when it runs, as an eager call reads its layer's.
+_optimizer_caches: Dict[int, tuple] = {}
+
+
+def register_optimizer_cache(cache: "WeightCache", params) -> None:
+    """``cache`` is written by an optimizer for the weights ``params`` (the
+    layer's list, or its stacked tensor)."""
+    ps = [params] if isinstance(params, torch.Tensor) else list(params)
+    _optimizer_caches[ps[0].data_ptr()] = (weakref.ref(cache), tuple(weakref.ref(p) for p in ps))
+
+
+def optimizer_cache_of(weights: Sequence[torch.Tensor]) -> Optional["WeightCache"]:
+    """The optimizer-written cache of exactly these weights (the layer's own
+    tensors, or views of them at the same addresses, as a compiled graph may
+    pass them), or None: while tracing, inside CUDA graph capture (a
+    captured read could not be checked at replay), or for other tensors."""
+    if tracing() or not weights:
+        return None
+    w0 = weights[0]
+    if w0.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    entry = _optimizer_caches.get(w0.data_ptr())
+    if entry is None:
+        return None
+    cache, ps = entry[0](), [r() for r in entry[1]]
+    if cache is None or any(p is None for p in ps):
+        del _optimizer_caches[w0.data_ptr()]  # a freed layer; its address may be reused
+        return None
+    if len(ps) != len(weights) or any(p.data_ptr() != w.data_ptr() or p.shape != w.shape or p.dtype != w.dtype
+                                      for p, w in zip(ps, weights)):
+        return None
+    return cache
 
 
 class WeightCache:
@@ -71,8 +109,11 @@ class WeightCache:
     def record(self, params) -> None:
         """:attr:`quantized` now holds ``params`` as they are: what
         lpmoe.optim.AdamW calls after writing it.  Until the weights change,
-        default calls (``is_first_microbatch=None``) read it."""
+        default calls (``is_first_microbatch=None``) read it, eager or
+        compiled (:func:`optimizer_cache_of`)."""
         self.source = None if tracing() else _source_key(params)
+        if self.source is not None:
+            register_optimizer_cache(self, params)
 
     def holds(self, params) -> bool:
         """:attr:`record` was called for ``params`` and no in-place change
@@ -87,7 +128,8 @@ class WeightCache:
         """Make captured graphs keep (True) or refresh (False) the cached
         weights on their next replays.  Call outside capture."""
         if self.skip_flag is None:
-            raise RuntimeError("the weight cache has no skip flag yet: run one eager forward first")
+            raise RuntimeError("the weight cache has no skip flag yet: run one eager forward with "
+                               "is_first_microbatch True or False first")
         self.skip_flag.fill_(1.0 if skip else 0.0)
 
     def usable_for(self, quantizer, num: int, shape: Tuple[int, int], dtype, device) -> bool:
@@ -177,7 +219,11 @@ def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> Group
         cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
         cache.source = None
         return cache.quantized
-    cache._flag(src.device)  # exists before any capture
+    if first is not None:
+        # exists before any capture.  (Not for default calls, which never
+        # use it: a compiled one may run in a CUDA-graph tree's warm-up, whose
+        # pool must hold nothing but the outputs.)
+        cache._flag(src.device)
     if not tracing():
         cache.wanted = quantizer
     if fit and (first is False or (first is None and cache.holds(src.params))):

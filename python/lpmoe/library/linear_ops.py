@@ -11,7 +11,7 @@ from lpmoe.functional import linear as lin
 from lpmoe.functional.checks import check_recipe
 from lpmoe.functional.precision import autocast_off, params_dtype
 from lpmoe.functional.params import as_inputs, from_inputs, grads_for, is_stacked, shape_of
-from lpmoe.functional.weights import cache_by_key
+from lpmoe.functional.weights import cache_by_key, optimizer_cache_of
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
@@ -23,11 +23,19 @@ from lpmoe.policy import Needs, policy_for
 Tensor = torch.Tensor
 
 
-def _linear_config(c: dict, fake: bool) -> lin.LinearConfig:
-    # A cache only serves is_first_microbatch True/False; with None the op
+def _linear_config(c: dict, fake: bool, weights=None) -> lin.LinearConfig:
+    # A keyed cache serves is_first_microbatch True/False.  With None the op
     # quantizes per call and keeps nothing (under CUDA-graph trees anything
-    # a call keeps alive outside its outputs would break the graph pool).
-    cache = None if fake or c["first"] is None or c["cache"] < 0 else cache_by_key(c["cache"])
+    # a call keeps alive outside its outputs would break the graph pool),
+    # unless lpmoe.optim.AdamW wrote the weights' FP8 copies: the forward
+    # (given ``weights``) then reads them while they are current, as an
+    # eager call does (weights.optimizer_cache_of; never under capture).
+    if fake:
+        cache = None
+    elif c["first"] is None:
+        cache = None if weights is None else optimizer_cache_of(weights)
+    else:
+        cache = cache_by_key(c["cache"]) if c["cache"] >= 0 else None
     first = None if cache is None else c["first"]
     return lin.LinearConfig(policy_for(specs.decode(c["recipe"])), c["num"], c["bias"], cache, first, c["grad"],
                             needs_of_list(c["need"]), False, c["stacked"], c["keep"])
@@ -44,7 +52,7 @@ def _linear_forward(x, m_splits, host, weights, biases, config, fake):
     """``weights`` / ``biases``: the op's tensor lists (one entry each for
     stacked parameters)."""
     c = specs.parse(config)
-    cfg = _linear_config(c, fake)
+    cfg = _linear_config(c, fake, weights)
     splits = op_splits(m_splits, host, c["num"], x.shape[0], x.device, fake)
     if not fake:
         CALLS["grouped_linear"] += 1

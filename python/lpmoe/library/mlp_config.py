@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from lpmoe.functional import mlp
-from lpmoe.functional.weights import cache_by_key
+from lpmoe.functional.weights import cache_by_key, optimizer_cache_of
 from lpmoe.library import mlp_route, specs
 from lpmoe.library.layer_common import needs_of_list
 from lpmoe.policy import Needs, policy_for
@@ -17,16 +17,25 @@ __all__ = ["SAVED", "mlp_config", "wgrad_out", "fc1_parts"]
 SAVED = mlp.SAVED + mlp_route.ROUTE
 
 
-def _layer(c: dict, name: str, policy, fake: bool) -> mlp._Layer:
-    cache = None if fake or c["first"] is None or c[name]["cache"] < 0 else cache_by_key(c[name]["cache"])
+def _layer(c: dict, name: str, policy, fake: bool, weights=None) -> mlp._Layer:
+    # as linear_ops._linear_config: a keyed cache for True/False; for None
+    # the optimizer's cache of ``weights`` (forward only), if any
+    if fake:
+        cache = None
+    elif c["first"] is None:
+        cache = None if weights is None else optimizer_cache_of(weights)
+    else:
+        cache = cache_by_key(c[name]["cache"]) if c[name]["cache"] >= 0 else None
     return mlp._Layer(policy, c["num"], c[name]["bias"], cache, False, tuple(c[name]["shape"]), c[name]["stacked"],
                       bool(c[name]["keep"]))
 
 
-def mlp_config(c: dict, fake: bool) -> mlp.MLPConfig:
-    """The MLPConfig of a parsed op configuration (``fake``: no weight caches)."""
+def mlp_config(c: dict, fake: bool, w1=None, w2=None) -> mlp.MLPConfig:
+    """The MLPConfig of a parsed op configuration (``fake``: no weight
+    caches; ``w1`` / ``w2``: the forward's weights, whose optimizer-written
+    caches a default call reads)."""
     policy = policy_for(specs.decode(c["recipe"]))
-    l1, l2 = _layer(c, "fc1", policy, fake), _layer(c, "fc2", policy, fake)
+    l1, l2 = _layer(c, "fc1", policy, fake, w1), _layer(c, "fc2", policy, fake, w2)
     first = None if (l1.weight_cache is None or l2.weight_cache is None) else c["first"]
     need1, need2, need_probs = c["needs"]
     return mlp.MLPConfig(specs.decode(c["act"]), l1, l2, c["probs"], first, c["grad"],

@@ -46,7 +46,7 @@ def _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2, row_map=None, used_rows=None
 
 def _mlp_forward(x, probs, m_splits, host, w1, b1, w2, b2, config, row_map, used_rows, rows, fake):
     c = specs.parse(config)
-    cfg = mlp_config(c, fake)
+    cfg = mlp_config(c, fake, w1, w2)
     route = c["routed"]
     rows = rows if route else x.shape[0]  # grouped rows (x: the tokens when routed)
     splits = op_splits(m_splits, host, c["num"], rows, x.device, fake)

@@ -31,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 
-from lpmoe.functional.weights import stack_weights
+from lpmoe.functional.weights import register_optimizer_cache, stack_weights
 from lpmoe.library.routing import OPS
 from lpmoe.optim.kernels import MASTER_DTYPES, QUANTIZED_BUFFERS
 from lpmoe.optim.masters import Masters, keep_fp32_state, masters_in_place_of
@@ -94,6 +94,8 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError(f"fp8_weights_of: the weights of layer {unit.name!r} are split across parameter "
                                  "groups; put each layer's weights in one group")
             self._layers.append(unit)
+            # a compiled default call finds the cache by its weights (and records what it wants)
+            register_optimizer_cache(unit.cache, unit.weights)
         if fp8_weights_of is not None and not self._layers:
             raise ValueError("fp8_weights_of: none of its lpmoe GroupedLinear layers has its weights in this "
                              "optimizer")
