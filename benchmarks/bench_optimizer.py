@@ -116,16 +116,18 @@ VARIANTS = (("fp8+lpmoe", Float8BlockScaling(), True), ("fp8+torch", Float8Block
             ("bf16+torch", None, False))
 
 
-def _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy, dtype):
-    """(step function, fwd + bwd function, its model) of one variant."""
+def _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy, dtype, compiled=False):
+    """(step function, fwd + bwd function, its model) of one variant
+    (``compiled``: the model under torch.compile(fullgraph=True))."""
     mlp = lpmoe.GroupedMLP(g, hidden, ffn, params_dtype=dtype, device="cuda", single_grouped_parameter=stacked)
     opt = _adamw(mlp.parameters(), mlp, fused, dtype, lr=1e-5, **({} if fused else {"fused": True}))
+    model = torch.compile(mlp, fullgraph=True) if compiled else mlp
 
     def fwd_bwd():
         opt.zero_grad(set_to_none=True)  # fresh gradients, as the MLP benchmarks time it
         x.grad = None
         with torch.autocast("cuda", dtype=BF16), lpmoe.autocast(enabled=recipe is not None, recipe=recipe):
-            y = mlp(x, splits, probs=probs)
+            y = model(x, splits, probs=probs)
         y.backward(dy)
 
     def step():
@@ -143,7 +145,7 @@ def _peak_gib(step) -> float:
 
 
 def training_case(g: int, tokens: int, hidden: int = HIDDEN, ffn: int = FFN, stacked: bool = False,
-                  rounds: int = 5, dtype=torch.float32, fwd_bwd: bool = False):
+                  rounds: int = 5, dtype=torch.float32, fwd_bwd: bool = False, compiled: bool = False):
     """{variant: (ms per fwd + bwd + optimizer step, peak GiB allocated in a
     step: parameters, gradients, optimizer state and FP8 weight caches
     included, each model alone)}.  Where the three models fit at once
@@ -163,7 +165,8 @@ def training_case(g: int, tokens: int, hidden: int = HIDDEN, ffn: int = FFN, sta
     if fwd_bwd:
         times.update({name + " fwd+bwd": [] for name, _, _ in VARIANTS})
     for name, recipe, fused in VARIANTS:  # one model at a time: peaks (and timings if they do not fit together)
-        step, fb, mlp = _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy, dtype)
+        step, fb, mlp = _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy, dtype,
+                                       compiled)
         step()
         if fused:  # the forward reads the optimizer's weights
             hits = mlp.linear_fc1.weight_cache.hits
@@ -178,7 +181,8 @@ def training_case(g: int, tokens: int, hidden: int = HIDDEN, ffn: int = FFN, sta
         _free()
     made = {}
     if together:
-        made = {name: _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy, dtype)[:2]
+        made = {name: _training_step(g, hidden, ffn, stacked, recipe, fused, x, splits, probs, dy, dtype,
+                                     compiled)[:2]
                 for name, recipe, fused in VARIANTS}
         for _ in range(rounds):
             for name, (step, fb) in made.items():
@@ -197,6 +201,10 @@ def main():
     p.add_argument("--steps", action="store_true", help="also time whole training steps")
     p.add_argument("--params", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 parameters, or bf16 parameters with fp32 master weights")
+    p.add_argument("--compile", action="store_true",
+                   help="training steps of the models under torch.compile(fullgraph=True) (default calls)")
+    p.add_argument("--cases", default="0,1,2,3",
+                   help="training cases to run: 0 8 x 64k, 1 32 x 16k, 2 launch-bound, 3 launch-bound stacked")
     args = p.parse_args()
     dtype = torch.float32 if args.params == "fp32" else BF16
     torch.manual_seed(0)
@@ -214,16 +222,18 @@ def main():
     if args.steps:
         # the two expert-MLP benchmark shapes, and the launch-bound one of
         # bench_compile.py (64 experts x 64 tokens, hidden 2048, ffn 768)
-        for g, tokens, hidden, ffn, stacked in ((8, 65536, HIDDEN, FFN, False), (32, 16384, HIDDEN, FFN, False),
-                                                (64, 4096, 2048, 768, False), (64, 4096, 2048, 768, True)):
-            r = training_case(g, tokens, hidden, ffn, stacked, dtype=dtype, fwd_bwd=dtype != torch.float32)
+        cases = ((8, 65536, HIDDEN, FFN, False), (32, 16384, HIDDEN, FFN, False),
+                 (64, 4096, 2048, 768, False), (64, 4096, 2048, 768, True))
+        for g, tokens, hidden, ffn, stacked in (cases[int(i)] for i in args.cases.split(",")):
+            r = training_case(g, tokens, hidden, ffn, stacked, dtype=dtype, fwd_bwd=dtype != torch.float32,
+                              compiled=args.compile)
             cells = "  ".join(f"{k} {v[0]:7.2f} ms" + (f" {v[1]:5.1f} GiB" if v[1] is not None else "")
                               for k, v in r.items())
             t = {k: v[0] for k, v in r.items()}
-            print(f"train step g={g} tok={tokens}{' stacked' if stacked else ''} | {cells} | fp8+torch / fp8+lpmoe "
+            tag = f"g={g} tok={tokens}{' stacked' if stacked else ''}{' compiled' if args.compile else ''}"
+            print(f"train step {tag} | {cells} | fp8+torch / fp8+lpmoe "
                   f"{t['fp8+torch'] / t['fp8+lpmoe']:4.2f}x, bf16 / fp8+lpmoe {t['bf16+torch'] / t['fp8+lpmoe']:4.2f}x"
                   f", bf16 / fp8+torch {t['bf16+torch'] / t['fp8+torch']:4.2f}x", flush=True)
-            tag = f"g={g} tok={tokens}{' stacked' if stacked else ''}"
             rows.append((f"train step {tag} fp8+torch/fp8+lpmoe | bf16/fp8+lpmoe",
                          f"{t['fp8+torch'] / t['fp8+lpmoe']:.2f}x | {t['bf16+torch'] / t['fp8+lpmoe']:.2f}x"))
             if "fp8+lpmoe fwd+bwd" in t:
