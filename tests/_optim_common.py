@@ -43,3 +43,16 @@ def _train(model, opt, steps, device, seed=5, fresh_quantize=False, first=None):
         opt.step()
         outs.append(y.detach())
     return outs
+
+
+def fused_step_without_sync(opt) -> int:
+    """``opt.step()`` under ``set_sync_debug_mode("error")`` (a host sync
+    raises); returns how many layer steps took the fused path."""
+    before = lpmoe.optim.stats()["fused"]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return lpmoe.optim.stats()["fused"] - before
