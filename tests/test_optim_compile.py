@@ -89,7 +89,7 @@ def test_captured_default_calls_quantize():
 
 
 def test_the_cache_is_found_only_for_its_own_weights():
-    from lpmoe.functional.weights import optimizer_cache_of
+    from lpmoe.functional.weights import _optimizer_caches, optimizer_cache_of
     a = _mlp("cpu")
     opt = lpmoe.optim.AdamW(a.parameters(), fp8_weights_of=a)
     w = list(a.linear_fc1.weights)
@@ -98,4 +98,79 @@ def test_the_cache_is_found_only_for_its_own_weights():
     assert optimizer_cache_of(w[:-1]) is None
     assert optimizer_cache_of([t.clone() for t in w]) is None
     assert optimizer_cache_of(list(a.linear_fc2.weights)) is a.linear_fc2.weight_cache
+    sq = lpmoe.GroupedLinear(G, K, K, params_dtype=torch.float32, device="cpu")  # square: a transpose has its shape
+    opt_sq = lpmoe.optim.AdamW(sq.parameters(), fp8_weights_of=sq)
+    assert optimizer_cache_of(list(sq.weights)) is sq.weight_cache
+    assert optimizer_cache_of([t.t() for t in sq.weights]) is None  # same address and shape, other elements
+    addr = sq.weights[0].data_ptr()
+    del opt_sq, sq
+    import gc
+    gc.collect()
+    assert addr not in _optimizer_caches  # the entry went with the cache
     del opt
+
+
+@pytest.mark.parametrize("device", devices())
+def test_compiled_default_calls_see_weights_written_elsewhere(device):
+    """A weight changed in place after the optimizer's step (as a model
+    load_state_dict would) is not read from the cache by the compiled call
+    (its version moved): it quantizes, equal to the twin; a functional call
+    without a weight cache never reads the optimizer's."""
+    torch._dynamo.reset()
+    a = _mlp(device)
+    b = copy.deepcopy(a)
+    opt = lpmoe.optim.AdamW(a.parameters(), lr=1e-3, fp8_weights_of=a)
+    _run_once = _one_step(a, opt, device)
+    hits = a.linear_fc1.weight_cache.hits
+    with torch.no_grad():
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.copy_(p)
+        for mod in (a, b):
+            mod.linear_fc1.weight1.mul_(0.5)
+    compiled = torch.compile(a, fullgraph=True)
+    x, splits = _run_once
+    with torch.no_grad(), torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
+        u, w = compiled(x, splits), b(x, splits)
+    assert torch.equal(u, w)
+    assert a.linear_fc1.weight_cache.hits == hits  # fc1 missed ...
+    assert a.linear_fc2.weight_cache.hits == hits + 1  # ... fc2 read its copies
+    fc2 = a.linear_fc2
+    fn = torch.compile(lambda x, s: lpmoe.functional.grouped_linear(x, s, list(fc2.weights), list(fc2.biases)),
+                       fullgraph=True)
+    with torch.no_grad(), torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
+        fn(torch.randn(x.shape[0], N, device=device), splits)
+    assert fc2.weight_cache.hits == hits + 1
+
+
+def _one_step(a, opt, device):
+    """One eager training step of ``a`` (default calls); returns (x, splits)."""
+    splits = torch.tensor(SPLITS, device=device) if device == "cuda" else torch.tensor(SPLITS)
+    x = torch.randn(sum(SPLITS), K, device=device)
+    with torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
+        a(x, splits).float().sum().backward()
+    opt.step()
+    return x, splits
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_step_between_forward_and_backward_is_an_error(device, compiled):
+    """A forward that read the optimizer's FP8 copies saved them for its
+    backward; an optimizer step before that backward rewrites them in
+    place: autograd's version check refuses the backward (the CUDA kernel
+    bumps the buffers' versions as the CPU path's copy_ does), instead of a
+    silently wrong input gradient."""
+    torch._dynamo.reset()
+    a = _mlp(device)
+    opt = lpmoe.optim.AdamW(a.parameters(), lr=1e-3, fp8_weights_of=a)
+    x, splits = _one_step(a, opt, device)
+    model = torch.compile(a, fullgraph=True) if compiled else a
+    x = x.clone().requires_grad_(True)
+    with torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
+        y = model(x, splits)
+    assert a.linear_fc1.weight_cache.hits >= 1
+    for p in a.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()

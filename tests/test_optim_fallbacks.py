@@ -184,3 +184,27 @@ def test_main_grad_layers_go_to_torch():
     _train(m, opt, 1, "cpu")
     after = lpmoe.optim.stats()
     assert after["fused"] == before["fused"] and after["torch"] - before["torch"] == 2
+
+
+def test_tied_layers_step_their_weights_once():
+    """Two layers sharing their weight tensors: one update per step (the
+    first layer's unit; the second layer quantizes in its forward), as
+    torch's AdamW gives the shared parameters."""
+    torch.manual_seed(4)
+    a = lpmoe.GroupedLinear(G, K, K, params_dtype=torch.float32, device="cpu")
+    b = lpmoe.GroupedLinear(G, K, K, params_dtype=torch.float32, device="cpu")
+    for i in range(G):
+        setattr(b, f"weight{i}", getattr(a, f"weight{i}"))
+    model = torch.nn.ModuleList([a, b])
+    ref = copy.deepcopy(model)
+    opt = lpmoe.optim.AdamW(model.parameters(), lr=1e-2, fp8_weights_of=model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    assert len(opt._layers) == 1
+    x = torch.randn(sum(SPLITS), K)
+    for mod, o in ((model, opt), (ref, opt_ref)):
+        with torch.autocast("cpu", dtype=BF16), lpmoe.autocast(recipe=FP8):
+            y = mod[1](mod[0](x, SPLITS), SPLITS)
+        y.float().sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)

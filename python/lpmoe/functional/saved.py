@@ -66,8 +66,13 @@ def load(ctx) -> list:
 
 def hold(ctx, **objs) -> None:
     """Keep internal intermediates (None, tensors, lists, GroupedTensors) for
-    the backward outside save_for_backward, so it can release them early."""
+    the backward outside save_for_backward, so it can release them early.
+    Their version counters are recorded and checked by :func:`take`, as
+    autograd checks saved tensors: a held object need not be the function's
+    own (the FP8 weights a layer read from its cache belong to the cache,
+    which an optimizer step rewrites in place)."""
     ctx.held = dict(objs)
+    ctx.held_versions = {k: _versions(o) for k, o in objs.items()}
 
 
 def take(ctx, name: str):
@@ -76,7 +81,13 @@ def take(ctx, name: str):
     if name not in ctx.held:
         raise RuntimeError("this backward already released its activations: running it twice "
                            "(retain_graph=True) is not supported by lpmoe's fused MLP")
-    return ctx.held.pop(name)
+    obj = ctx.held.pop(name)
+    if _versions(obj) != ctx.held_versions.pop(name):
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: lpmoe's fused MLP kept {name!r} for its backward and it changed since the "
+                           "forward (an optimizer step between a forward and its backward rewrites the FP8 weight "
+                           "copies the forward read)")
+    return obj
 
 
 def _tensors(obj) -> List[torch.Tensor]:
@@ -87,6 +98,16 @@ def _tensors(obj) -> List[torch.Tensor]:
     if isinstance(obj, list):
         return list(obj)
     return obj.flatten()[0]
+
+
+def _versions(obj) -> List[int]:
+    """Version counters of ``obj``'s tensors (-1 for an inference tensor,
+    which has none)."""
+    out = []
+    for t in _tensors(obj):
+        if t is not None:
+            out.append(-1 if t.is_inference() else t._version)
+    return out
 
 
 def held_bytes(ctx) -> int:

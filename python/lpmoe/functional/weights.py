@@ -37,9 +37,16 @@ _optimizer_caches: Dict[int, tuple] = {}
 
 def register_optimizer_cache(cache: "WeightCache", params) -> None:
     """``cache`` is written by an optimizer for the weights ``params`` (the
-    layer's list, or its stacked tensor)."""
+    layer's list, or its stacked tensor).  The entry goes when the cache
+    does (or when a lookup finds a weight gone)."""
     ps = [params] if isinstance(params, torch.Tensor) else list(params)
-    _optimizer_caches[ps[0].data_ptr()] = (weakref.ref(cache), tuple(weakref.ref(p) for p in ps))
+    addr = ps[0].data_ptr()
+
+    def gone(ref, addr=addr):
+        entry = _optimizer_caches.get(addr)
+        if entry is not None and entry[0] is ref:
+            _optimizer_caches.pop(addr, None)
+    _optimizer_caches[addr] = (weakref.ref(cache, gone), tuple(weakref.ref(p) for p in ps))
 
 
 def optimizer_cache_of(weights: Sequence[torch.Tensor]) -> Optional["WeightCache"]:
@@ -57,10 +64,13 @@ def optimizer_cache_of(weights: Sequence[torch.Tensor]) -> Optional["WeightCache
         return None
     cache, ps = entry[0](), [r() for r in entry[1]]
     if cache is None or any(p is None for p in ps):
-        del _optimizer_caches[w0.data_ptr()]  # a freed layer; its address may be reused
+        if _optimizer_caches.get(w0.data_ptr()) is entry:
+            _optimizer_caches.pop(w0.data_ptr(), None)  # a freed layer; its address may be reused
         return None
-    if len(ps) != len(weights) or any(p.data_ptr() != w.data_ptr() or p.shape != w.shape or p.dtype != w.dtype
-                                      for p, w in zip(ps, weights)):
+    # the same elements in the same order: address, shape, strides (not a
+    # transposed view of a square weight), dtype
+    if len(ps) != len(weights) or any(p.data_ptr() != w.data_ptr() or p.shape != w.shape or p.stride() != w.stride()
+                                      or p.dtype != w.dtype for p, w in zip(ps, weights)):
         return None
     return cache
 

@@ -18,12 +18,22 @@ CALLS = {"grouped_linear": 0, "grouped_linear_backward": 0, "grouped_mlp": 0, "g
          "grouped_mlp_backward_act": 0, "grouped_mlp_backward_fc1": 0}
 
 
+#: cache_key of a default call (is_first_microbatch=None) of a layer that
+#: has a cache: the op reads the optimizer-written cache of the weights it
+#: is given, if any (lpmoe.functional.weights.optimizer_cache_of)
+OPTIMIZER_CACHE = -2
+
+
 def cache_key(cache: Optional[WeightCache], is_first_microbatch) -> int:
     # Weight caches travel as integer keys (a custom op cannot take a Python
-    # object).  Only is_first_microbatch True/False uses a cache; with None no
+    # object).  is_first_microbatch True/False names its cache; with None no
     # key goes into the (constant) configuration, so identical layers share
-    # one compiled graph instead of recompiling per instance.
-    return cache.key if cache_in_use(cache, is_first_microbatch) else -1
+    # one compiled graph instead of recompiling per instance, only whether
+    # the layer has a cache at all (-1: none, as for a functional call
+    # without one).
+    if cache_in_use(cache, is_first_microbatch):
+        return cache.key
+    return -1 if cache is None else OPTIMIZER_CACHE
 
 
 def op_splits(m_splits: Optional[Tensor], host: Optional[List[int]], num: int, rows: int, device, fake: bool) -> Splits:

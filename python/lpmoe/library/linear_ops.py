@@ -15,8 +15,8 @@ from lpmoe.functional.weights import cache_by_key, optimizer_cache_of
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
-from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_splits, setup_context_of,
-                                         signature)
+from lpmoe.library.layer_common import (CALLS, OPTIMIZER_CACHE, cache_key, fused_weights, needs_of_list, op_splits,
+                                         setup_context_of, signature)
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Needs, policy_for
 
@@ -33,7 +33,7 @@ def _linear_config(c: dict, fake: bool, weights=None) -> lin.LinearConfig:
     if fake:
         cache = None
     elif c["first"] is None:
-        cache = None if weights is None else optimizer_cache_of(weights)
+        cache = optimizer_cache_of(weights) if weights is not None and c["cache"] == OPTIMIZER_CACHE else None
     else:
         cache = cache_by_key(c["cache"]) if c["cache"] >= 0 else None
     first = None if cache is None else c["first"]

@@ -8,7 +8,7 @@ from typing import Tuple
 from lpmoe.functional import mlp
 from lpmoe.functional.weights import cache_by_key, optimizer_cache_of
 from lpmoe.library import mlp_route, specs
-from lpmoe.library.layer_common import needs_of_list
+from lpmoe.library.layer_common import OPTIMIZER_CACHE, needs_of_list
 from lpmoe.policy import Needs, policy_for
 
 __all__ = ["SAVED", "mlp_config", "wgrad_out", "fc1_parts"]
@@ -23,7 +23,7 @@ def _layer(c: dict, name: str, policy, fake: bool, weights=None) -> mlp._Layer:
     if fake:
         cache = None
     elif c["first"] is None:
-        cache = None if weights is None else optimizer_cache_of(weights)
+        cache = optimizer_cache_of(weights) if weights is not None and c[name]["cache"] == OPTIMIZER_CACHE else None
     else:
         cache = cache_by_key(c[name]["cache"]) if c[name]["cache"] >= 0 else None
     return mlp._Layer(policy, c["num"], c[name]["bias"], cache, False, tuple(c[name]["shape"]), c[name]["stacked"],

@@ -83,10 +83,17 @@ class AdamW(torch.optim.AdamW):
         found = expert_weights_of(fp8_weights_of) if fp8_weights_of is not None else []
         group_of = self._group_of()
         self._layers: List[ExpertWeights] = []
+        claimed = set()
         for unit in found:
             groups = _groups_of(unit, group_of)
             if groups == {None}:
                 continue  # another optimizer's (or frozen) layer
+            if any(id(p) in claimed for p in unit.params):
+                # weights shared with a layer found before (tied layers): the
+                # first layer's unit steps them (once); this layer's cache is
+                # never recorded, so its forward quantizes them itself
+                continue
+            claimed.update(id(p) for p in unit.params)
             if None in groups:
                 raise ValueError(f"fp8_weights_of: only some of the weights of layer {unit.name!r} are parameters "
                                  "of this optimizer; give it all of a layer's weights or none")

@@ -87,8 +87,9 @@ def adamw_fp8_block_step_impl(params: List[Tensor], grads: List[Tensor], masters
                                    quantizer.amax_epsilon, *out)
         # The kernel wrote them behind autograd's back: bump their version
         # counters as an in-place PyTorch op would (autograd's saved-tensor
-        # check, WeightCache.holds).
-        torch.autograd.graph.increment_version([*params, *masters, *exp_avgs, *exp_avg_sqs])
+        # check, WeightCache.holds), the FP8 buffers' too: a forward that
+        # read them may have saved them for its backward.
+        torch.autograd.graph.increment_version([*params, *masters, *exp_avgs, *exp_avg_sqs, *out])
         return
     from lpmoe.functional.weights import stack_weights
     from lpmoe.quantize import group_quantize
