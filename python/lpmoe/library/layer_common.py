@@ -8,7 +8,7 @@ from typing import List, Optional
 import torch
 
 from lpmoe.functional.splits import Splits, parse_splits
-from lpmoe.functional.weights import WeightCache, cache_in_use
+from lpmoe.functional.weights import WeightCache, cache_by_key, cache_in_use, optimizer_cache_of
 from lpmoe.policy import Needs
 
 Tensor = torch.Tensor
@@ -34,6 +34,22 @@ def cache_key(cache: Optional[WeightCache], is_first_microbatch) -> int:
     if cache_in_use(cache, is_first_microbatch):
         return cache.key
     return -1 if cache is None else OPTIMIZER_CACHE
+
+
+def op_cache(key: int, first: Optional[bool], fake: bool, weights=None) -> Optional[WeightCache]:
+    """The cache a layer op's call uses, from its configuration's key (see
+    :func:`cache_key`): the keyed cache for is_first_microbatch True/False;
+    for None the cache lpmoe.optim.AdamW wrote for ``weights`` (the forward's
+    weights; the backward passes none), read while current, as an eager
+    call does (never under capture, weights.optimizer_cache_of).  Without a
+    cache a default call quantizes and keeps nothing (under CUDA-graph trees
+    anything a call keeps alive outside its outputs would break the graph
+    pool).  None for fake (shape-only) calls."""
+    if fake:
+        return None
+    if first is None:
+        return optimizer_cache_of(weights) if weights is not None and key == OPTIMIZER_CACHE else None
+    return cache_by_key(key)
 
 
 def op_splits(m_splits: Optional[Tensor], host: Optional[List[int]], num: int, rows: int, device, fake: bool) -> Splits:

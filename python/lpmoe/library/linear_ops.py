@@ -11,11 +11,10 @@ from lpmoe.functional import linear as lin
 from lpmoe.functional.checks import check_recipe
 from lpmoe.functional.precision import autocast_off, params_dtype
 from lpmoe.functional.params import as_inputs, from_inputs, grads_for, is_stacked, shape_of
-from lpmoe.functional.weights import cache_by_key, optimizer_cache_of
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
 from lpmoe.library.grouped_codec import symbolic_sizes
-from lpmoe.library.layer_common import (CALLS, OPTIMIZER_CACHE, cache_key, fused_weights, needs_of_list, op_splits,
+from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_cache, op_splits,
                                          setup_context_of, signature)
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Needs, policy_for
@@ -24,18 +23,7 @@ Tensor = torch.Tensor
 
 
 def _linear_config(c: dict, fake: bool, weights=None) -> lin.LinearConfig:
-    # A keyed cache serves is_first_microbatch True/False.  With None the op
-    # quantizes per call and keeps nothing (under CUDA-graph trees anything
-    # a call keeps alive outside its outputs would break the graph pool),
-    # unless lpmoe.optim.AdamW wrote the weights' FP8 copies: the forward
-    # (given ``weights``) then reads them while they are current, as an
-    # eager call does (weights.optimizer_cache_of; never under capture).
-    if fake:
-        cache = None
-    elif c["first"] is None:
-        cache = optimizer_cache_of(weights) if weights is not None and c["cache"] == OPTIMIZER_CACHE else None
-    else:
-        cache = cache_by_key(c["cache"]) if c["cache"] >= 0 else None
+    cache = op_cache(c["cache"], c["first"], fake, weights)
     first = None if cache is None else c["first"]
     return lin.LinearConfig(policy_for(specs.decode(c["recipe"])), c["num"], c["bias"], cache, first, c["grad"],
                             needs_of_list(c["need"]), False, c["stacked"], c["keep"])

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Tuple
 
 from lpmoe.functional import mlp
-from lpmoe.functional.weights import cache_by_key, optimizer_cache_of
 from lpmoe.library import mlp_route, specs
-from lpmoe.library.layer_common import OPTIMIZER_CACHE, needs_of_list
+from lpmoe.library.layer_common import needs_of_list, op_cache
 from lpmoe.policy import Needs, policy_for
 
 __all__ = ["SAVED", "mlp_config", "wgrad_out", "fc1_parts"]
@@ -18,14 +17,7 @@ SAVED = mlp.SAVED + mlp_route.ROUTE
 
 
 def _layer(c: dict, name: str, policy, fake: bool, weights=None) -> mlp._Layer:
-    # as linear_ops._linear_config: a keyed cache for True/False; for None
-    # the optimizer's cache of ``weights`` (forward only), if any
-    if fake:
-        cache = None
-    elif c["first"] is None:
-        cache = optimizer_cache_of(weights) if weights is not None and c[name]["cache"] == OPTIMIZER_CACHE else None
-    else:
-        cache = cache_by_key(c[name]["cache"]) if c[name]["cache"] >= 0 else None
+    cache = op_cache(c[name]["cache"], c["first"], fake, weights)
     return mlp._Layer(policy, c["num"], c[name]["bias"], cache, False, tuple(c[name]["shape"]), c[name]["stacked"],
                       bool(c[name]["keep"]))
 
