@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import threading
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -43,8 +44,15 @@ _TENSOR_FIELDS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_sc
                   "first_dims", "last_dims", "tensor_offsets", "padded_row_offsets")
 
 
-#: offsets memos of the active sharing_offsets scopes (innermost last)
-_OFFSET_SCOPES: List[dict] = []
+class _Scopes(threading.local):
+    def __init__(self):
+        #: offsets memos of this thread's active sharing_offsets scopes (innermost last)
+        self.stack: List[dict] = []
+
+
+# Per thread: a buffer made for later calls on a helper thread
+# (lpmoe._persistent) must not take offsets its caller's scope made.
+_OFFSET_SCOPES = _Scopes()
 
 # derived element offsets are the align-1 row offsets times the width
 _ALIGN_ONE = PADDED_ROW_ALIGNS.index(1)
@@ -63,11 +71,12 @@ def sharing_offsets():
     every offsets launch it reads (new routing per replay stays correct);
     the same objects are shared on fake tensors, so traced and real saved
     layouts agree."""
-    _OFFSET_SCOPES.append({})
+    stack = _OFFSET_SCOPES.stack
+    stack.append({})
     try:
         yield
     finally:
-        _OFFSET_SCOPES.pop()
+        stack.pop()
 
 
 def shares_offsets(fn):
@@ -302,7 +311,8 @@ class GroupedTensor:
         kind = self.shape_kind
         dev = self.device
         by_rows = kind is ShapeKind.VARYING_FIRST
-        memo = _OFFSET_SCOPES[-1] if _OFFSET_SCOPES else None
+        scopes = _OFFSET_SCOPES.stack
+        memo = scopes[-1] if scopes else None
         hit = key = None
         if memo is not None:
             # Keyed by the dims' identity, so built only inside a scope (the layer

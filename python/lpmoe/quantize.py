@@ -173,6 +173,19 @@ def group_quantize(x: Union[torch.Tensor, GroupedTensor], quantizer: Quantizer, 
     return _run_group_quantize(g, quantizer, noop_flag, output, False)[0]
 
 
+def group_quantize_buffers(x: torch.Tensor, quantizer: Quantizer, num_tensors: int) -> GroupedTensor:
+    """Uninitialised buffers of what ``group_quantize(x, quantizer,
+    num_tensors)`` returns for ``num_tensors`` equal members (weights), to
+    pass as its ``output=``: for callers that must choose where the memory
+    comes from (lpmoe._persistent).  No launch."""
+    _check_quantizer(quantizer)
+    g = _as_grouped_input(x, num_tensors, None, None)
+    _check_kind(quantizer, g)
+    if isinstance(quantizer, Float8BlockQuantizer):
+        return fp8_block_ops.allocate(quantizer, g)
+    return mx_ops.allocate(quantizer, g)
+
+
 def _run_group_quantize(g, quantizer, noop_flag, output, with_dbias):
     if tracing():
         return OPS["group_quantize"](g, quantizer, noop_flag, output, with_dbias)

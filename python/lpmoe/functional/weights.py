@@ -10,10 +10,11 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from lpmoe._persistent import persistent
 from lpmoe.functional.params import shape_of
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library.routing import tracing
-from lpmoe.quantize import group_quantize
+from lpmoe.quantize import group_quantize, group_quantize_buffers
 
 __all__ = ["WeightCache", "WeightSource", "stack_weights", "cache_in_use", "register_optimizer_cache",
            "optimizer_cache_of"]
@@ -100,6 +101,9 @@ class WeightCache:
         self.wanted = None
         #: eager calls that read :attr:`quantized` without quantizing
         self.hits = 0
+        #: versions of :attr:`quantized`'s buffers when a compiled layer's
+        #: forward last read it (lpmoe.library.cached_weights)
+        self.forward_versions: Optional[tuple] = None
 
     def __deepcopy__(self, memo) -> "WeightCache":
         # A copied layer gets its own, empty cache (and its own key): the
@@ -115,6 +119,7 @@ class WeightCache:
         self.skip_flag = None
         self.source = None
         self.wanted = None
+        self.forward_versions = None
 
     def record(self, params) -> None:
         """:attr:`quantized` now holds ``params`` as they are: what
@@ -155,11 +160,12 @@ class WeightCache:
 
     def _flag(self, device: torch.device) -> Optional[torch.Tensor]:
         # Made eagerly (never inside capture, where the zero fill would be
-        # recorded and undo set_skip_update on every replay).
+        # recorded and undo set_skip_update on every replay), outside any
+        # CUDA-graph pool (a reduce-overhead warm-up's, lpmoe._persistent).
         if self.skip_flag is None or self.skip_flag.device != device:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None
-            self.skip_flag = torch.zeros(1, dtype=torch.float32, device=device)
+            self.skip_flag = persistent(lambda: torch.zeros(1, dtype=torch.float32, device=device), device)
         return self.skip_flag
 
 
@@ -222,8 +228,7 @@ def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> Group
         if first is False and fit:
             return cache.quantized  # the graph reads whatever the cache holds at replay
         if fit:  # refresh in place (fixed pointers), skippable at replay time
-            group_quantize(src.stacked(), cache.quantized.quantizer, num_tensors=g, output=cache.quantized,
-                           noop_flag=cache._flag(src.device))
+            _quantize_into(cache.quantized, src.stacked(), g, noop_flag=cache._flag(src.device))
             cache.source = None  # written at replay time, from whatever the weights are then
             return cache.quantized
         cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
@@ -242,11 +247,35 @@ def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> Group
     if first is None:
         return group_quantize(src.stacked(), quantizer, num_tensors=g)
     if fit:  # in place: pointers stay stable for graphs captured later
-        out = group_quantize(src.stacked(), cache.quantized.quantizer, num_tensors=g, output=cache.quantized)
+        out = _quantize_into(cache.quantized, src.stacked(), g)
     else:
-        out = cache.quantized = group_quantize(src.stacked(), quantizer, num_tensors=g)
+        out = cache.quantized = _into_new_cache(src.stacked(), quantizer, g)
     cache.source = None  # only the optimizer's writes serve default calls
     return out
+
+
+def _into_new_cache(x: torch.Tensor, quantizer, g: int) -> GroupedTensor:
+    """A cache's first quantization, into buffers that outlive the call and
+    so are made outside any CUDA-graph pool: this call may be a
+    reduce-overhead warm-up (lpmoe._persistent)."""
+    out = persistent(lambda: group_quantize_buffers(x, quantizer, g), x.device)
+    return _quantize_into(out, x, g)
+
+
+_METADATA = ("first_dims", "last_dims", "tensor_offsets", "padded_row_offsets", "offsets_status")
+
+
+def _quantize_into(cached: GroupedTensor, x: torch.Tensor, g: int, noop_flag=None) -> GroupedTensor:
+    """``x`` quantized into a cache's buffers in place, the cache keeping
+    its own offsets: ``output=`` would hand it the input group's, which
+    this call makes (in a reduce-overhead warm-up or a captured graph, in
+    the graph's pool) and which would then outlive the call.  Equal members:
+    the values are the same."""
+    kept = [getattr(cached, f) for f in _METADATA]
+    group_quantize(x, cached.quantizer, num_tensors=g, output=cached, noop_flag=noop_flag)
+    for f, t in zip(_METADATA, kept):
+        setattr(cached, f, t)
+    return cached
 
 
 class WeightSource:

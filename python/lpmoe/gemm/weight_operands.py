@@ -8,6 +8,7 @@ from typing import Dict, Tuple
 
 import torch
 
+from lpmoe._persistent import persistent
 from lpmoe.gemm.operands import GemmOperands
 from lpmoe.reference.numerics import ceil_div as _cdiv, round_up as _rup
 
@@ -60,7 +61,12 @@ def prepare_weight_list(weights) -> None:
     capture), as the first grouped call with them would."""
     key = tuple(w.data_ptr() for w in weights) + (weights[0].device.index or 0,)
     if key not in _ptr_tables:
-        _ptr_tables[key] = torch.tensor(list(key[:-1]), dtype=torch.int64, device=weights[0].device)
+        _ptr_tables[key] = _address_table(key, weights[0].device)
+
+
+def _address_table(key: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # kept across calls, so made outside any CUDA-graph pool (lpmoe._persistent)
+    return persistent(lambda: torch.tensor(list(key[:-1]), dtype=torch.int64, device=device), device)
 
 
 def ptr_table(ops: GemmOperands) -> torch.Tensor:
@@ -73,6 +79,5 @@ def ptr_table(ops: GemmOperands) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("lpmoe.grouped_gemm: a new list of weight tensors was first seen inside CUDA graph "
                                "capture; run the call once eagerly (warm-up) before capturing")
-        t = torch.tensor(list(key[:-1]), dtype=torch.int64, device=ops.device)
-        _ptr_tables[key] = t
+        t = _ptr_tables[key] = _address_table(key, ops.device)
     return t

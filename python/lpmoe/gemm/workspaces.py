@@ -13,12 +13,17 @@ in one backward (dgrad and wgrad) never share a buffer:
 All calls on one stream are ordered, so reusing a slot across calls is safe;
 running two grouped GEMMs of the same slot concurrently on different streams
 is not (documented in lpmoe.grouped_gemm).
+
+Each is made on first use outside any CUDA-graph pool (lpmoe._persistent),
+so a first use inside a reduce-overhead warm-up is fine.
 """
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
 import torch
+
+from lpmoe._persistent import persistent
 
 __all__ = ["WORKSPACE_BYTES", "gemm_workspace", "setup_workspace", "slot_for_kind"]
 
@@ -40,7 +45,8 @@ def gemm_workspace(device: torch.device, slot: int) -> torch.Tensor:
     key = (_index(device), slot)
     ws = _workspaces.get(key)
     if ws is None:
-        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", key[0]))
+        dev = torch.device("cuda", key[0])
+        ws = persistent(lambda: torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), dev)
         _workspaces[key] = ws
     return ws
 
@@ -51,7 +57,7 @@ def setup_workspace(device: torch.device, num_groups: int) -> torch.Tensor:
     key = (_index(device), num_groups)
     ws = _setups.get(key)
     if ws is None:
-        ws = torch.empty(ext().grouped_gemm_setup_bytes(num_groups), dtype=torch.uint8,
-                         device=torch.device("cuda", key[0]))
+        dev, size = torch.device("cuda", key[0]), ext().grouped_gemm_setup_bytes(num_groups)
+        ws = persistent(lambda: torch.empty(size, dtype=torch.uint8, device=dev), dev)
         _setups[key] = ws
     return ws
