@@ -24,9 +24,10 @@ def _layers(model):
     return [model] if isinstance(model, lpmoe.GroupedLinear) else [model.linear_fc1, model.linear_fc2]
 
 
-def _run(a, steps, device, mode=None):
-    """``steps`` training steps of compiled ``a`` (default calls) and of an
-    eager twin whose layers quantize every call, each with lpmoe.optim.AdamW;
+def _run(a, steps, device, mode=None, first=None):
+    """``steps`` training steps of compiled ``a`` (calls with
+    ``is_first_microbatch=first``, default None) and of an eager twin whose
+    layers quantize every call, each with lpmoe.optim.AdamW;
     asserts equal outputs and parameters each step; returns (a, compiled
     frames after the first step and at the end)."""
     b = copy.deepcopy(a)
@@ -47,8 +48,9 @@ def _run(a, steps, device, mode=None):
                 for lin in _layers(b):
                     lin.weight_cache.source = None
             opt.zero_grad(set_to_none=True)
+            kw = {} if fresh or first is None else {"is_first_microbatch": first}
             with torch.autocast(device, dtype=BF16), lpmoe.autocast(recipe=FP8):
-                y = model(x, splits)
+                y = model(x, splits, **kw)
             y.backward(dy)
             opt.step()
             ys.append(y.detach().clone())

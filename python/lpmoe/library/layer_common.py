@@ -52,6 +52,16 @@ def op_cache(key: int, first: Optional[bool], fake: bool, weights=None) -> Optio
     return cache_by_key(key)
 
 
+def cached_slots(c: dict, slots):
+    """The (position, cache key) pairs of ``slots`` whose layer reads its
+    weight cache in this configuration (is_first_microbatch True/False and
+    a cache key): their saved weights go to the backward as references
+    (lpmoe.library.cached_weights)."""
+    if c["first"] is None:
+        return ()
+    return tuple((i, key) for i, key in slots if key >= 0)
+
+
 def op_splits(m_splits: Optional[Tensor], host: Optional[List[int]], num: int, rows: int, device, fake: bool) -> Splits:
     if fake:  # shapes only: values are never read; fresh exactly where parse_splits makes a new tensor
         if m_splits is None:

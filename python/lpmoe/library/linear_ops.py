@@ -13,8 +13,9 @@ from lpmoe.functional.precision import autocast_off, params_dtype
 from lpmoe.functional.params import as_inputs, from_inputs, grads_for, is_stacked, shape_of
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
+from lpmoe.library.cached_weights import mark_cached
 from lpmoe.library.grouped_codec import symbolic_sizes
-from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_cache, op_splits,
+from lpmoe.library.layer_common import (CALLS, cache_key, cached_slots, fused_weights, needs_of_list, op_cache, op_splits,
                                          setup_context_of, signature)
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Needs, policy_for
@@ -49,6 +50,7 @@ def _linear_forward(x, m_splits, host, weights, biases, config, fake):
     with autocast_off():
         out, objs = lin.linear_forward_impl(x, splits, from_inputs(weights, cfg.stacked),
                                             from_inputs(biases, cfg.stacked) if biases else None, cfg)
+    objs = mark_cached(objs, cached_slots(c, ((1, c["cache"]),)), cfg.policy, fake)
     key = config + "|" + signature(x, m_splits, weights)
     return out, saved_layout.flatten(key, objs, _linear_inputs(x, m_splits, weights, biases), fake, x.shape[0])
 

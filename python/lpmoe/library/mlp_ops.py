@@ -25,13 +25,14 @@ from lpmoe.functional.params import as_inputs, grads_for, is_stacked, shape_of
 from lpmoe.functional.precision import autocast_off, params_dtype
 from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import mlp_route, saved_layout, specs
+from lpmoe.library.cached_weights import mark_cached
 from lpmoe.library.grouped_codec import symbolic_sizes
-from lpmoe.library.layer_common import (CALLS, cache_key, fused_weights, needs_of_list, op_splits, setup_context_of,
+from lpmoe.library.layer_common import (CALLS, cache_key, cached_slots, fused_weights, needs_of_list, op_splits, setup_context_of,
                                          signature)
 from lpmoe.library.mlp_backward_ops import (SAVED_FOR, SAVED_FOR_FC2, STAGE_ACT, act_run, dgrad_first_of, fc1_dh,
                                             fc1_run, fc2_outputs, fc2_parts, fc2_run, grouped_mlp_backward,
                                             grouped_mlp_backward_act, grouped_mlp_backward_fc1)
-from lpmoe.library.mlp_config import fc1_parts, mlp_config
+from lpmoe.library.mlp_config import SAVED, fc1_parts, mlp_config
 from lpmoe.library.routing import OPS, tracing
 
 Tensor = torch.Tensor
@@ -60,6 +61,8 @@ def _mlp_forward(x, probs, m_splits, host, w1, b1, w2, b2, config, row_map, used
     with autocast_off():
         y, objs = mlp.mlp_forward_impl(x, probs, splits, params, cfg, source)
     objs = mlp_route.forward_saved(objs, source, x)
+    objs = mark_cached(objs, cached_slots(c, ((SAVED.index("w1"), c["fc1"]["cache"]),
+                                              (SAVED.index("w2"), c["fc2"]["cache"]))), cfg.fc1.policy, fake)
     del source
     key = config + "|" + signature(x, m_splits, w1 + w2)
     inputs = _mlp_inputs(x, probs, m_splits, w1, b1, w2, b2, row_map, used_rows)

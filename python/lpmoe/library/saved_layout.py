@@ -11,7 +11,9 @@ saved objects into
   already returned, e.g. two offset arrays cut from one buffer, is cloned:
   a few hundred bytes);
 * a layout (static: structure and GroupedTensor metadata) that rebuilds the
-  objects in the backward.
+  objects in the backward;
+* references to a layer's weight cache (lpmoe.library.cached_weights), for
+  saved weights that are a view of it.
 
 The layout follows from the static arguments and the inputs' metadata, so it
 is kept in a table under a key made of them (the layer ops build it): the fake implementation (at trace time) and the real one
@@ -35,6 +37,7 @@ import torch
 
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.library import specs
+from lpmoe.library.cached_weights import CachedWeight, resolve
 from lpmoe.library.grouped_codec import FIELDS, meta_of
 
 __all__ = ["flatten", "inputs_to_save", "rebuild", "stage_slots", "LAYOUTS", "CALLS", "FORMAT"]
@@ -53,8 +56,9 @@ __all__ = ["flatten", "inputs_to_save", "rebuild", "stage_slots", "LAYOUTS", "CA
 #: large MLP's backward runs each of fc2's GEMMs and the activation as its
 #: own op, and the backward op takes a part name instead of ``whole``; 9:
 #: the configurations carry the parameters' dtype, and a high-precision
-#: layer under torch.autocast saves its weights' cast copy).
-FORMAT = 9
+#: layer under torch.autocast saves its weights' cast copy; 10: weights
+#: read from the layer's cache are saved as a reference to it).
+FORMAT = 10
 
 #: layout key -> layout (a tuple of entries, see flatten)
 LAYOUTS: Dict[str, tuple] = {}
@@ -159,6 +163,8 @@ class _Flattener:
     def entry(self, obj, want=None):
         if obj is None:
             return ("none",)
+        if isinstance(obj, CachedWeight):
+            return ("c",) + obj.static()
         if isinstance(obj, torch.Tensor):
             return ("t", self.ref(obj))
         if isinstance(obj, (list, tuple)):
@@ -229,8 +235,8 @@ class _Plan:
         self._seen_new = set()
         self.steps = []
         for e, obj in zip(layout, objs):
-            if e[0] == "none":
-                self.steps.append(("none", None, None))
+            if e[0] in ("none", "c"):
+                self.steps.append((e[0], e[1:], None))
             elif e[0] == "t":
                 self.steps.append(("t", self._ref(e[1], cloned), None))
             elif e[0] == "l":
@@ -284,6 +290,8 @@ class _Plan:
         for (kind, refs, static), obj in zip(self.steps, objs):
             if kind == "none":
                 ok = obj is None
+            elif kind == "c":
+                ok = isinstance(obj, CachedWeight) and obj.static() == refs
             elif kind == "t":
                 ok = isinstance(obj, torch.Tensor) and take(obj, refs)
             elif kind == "l":
@@ -300,7 +308,7 @@ class _Plan:
 def _input_paths(layout) -> List[str]:
     paths: List[str] = []
     for e in layout:
-        refs = () if e[0] == "none" else ((e[1],) if e[0] == "t" else e[1])
+        refs = () if e[0] in ("none", "c") else ((e[1],) if e[0] == "t" else e[1])
         for r in refs:
             if r is not None and r[0] == "in" and r[1] not in paths:
                 paths.append(r[1])
@@ -322,8 +330,8 @@ def _rebuild_plan(key: str) -> tuple:
             return where[r[1]] if r[0] == "in" else len(paths) + r[1]
         steps = []
         for e in layout:
-            if e[0] == "none":
-                steps.append(("none", None, None))
+            if e[0] in ("none", "c"):
+                steps.append((e[0], e[1:], None))
             elif e[0] == "t":
                 steps.append(("t", slot(e[1]), None))
             elif e[0] == "l":
@@ -350,7 +358,7 @@ def stage_slots(key: str, objects: Sequence[int]) -> List[int]:
     slots = set()
     for i in objects:
         kind, ref, _ = steps[i]
-        refs = () if kind == "none" else ((ref,) if kind == "t" else (ref if kind == "l" else [r for _, r in ref]))
+        refs = () if kind in ("none", "c") else ((ref,) if kind == "t" else (ref if kind == "l" else [r for _, r in ref]))
         slots.update(r if isinstance(r, int) else r[0] for r in refs if r is not None)
     return sorted(slots)
 
@@ -382,6 +390,8 @@ def rebuild(key: str, saved: Sequence[torch.Tensor], num_inputs: int, tokens: in
     for kind, ref, static in steps:
         if kind == "none":
             out.append(None)
+        elif kind == "c":
+            out.append(resolve(*ref))
         elif kind == "t":
             out.append(get(ref))
         elif kind == "l":

@@ -103,6 +103,20 @@ def dequantized_rows(qg: GroupedTensor, dtype: Optional[torch.dtype] = None) -> 
     return group_dequantize(qg, qg.dtype if dtype is None else dtype).rowwise_data.view(qg.logical_shape)
 
 
+def saved_weight_view(qw: GroupedTensor, view: str) -> GroupedTensor:
+    """What a policy keeps of its quantized weights for dgrad (its
+    ``saved_weight``): ``"transposed"``, the transposed copy with the rowwise
+    scales beside it (the FP8 dgrad GEMM reads both); ``"rowwise"``, the
+    rowwise copy (dequantized for a high-precision dgrad).
+    One function, so a backward that takes the weights from the layer's
+    cache instead (lpmoe.library.cached_weights) reads the same view."""
+    if view == "transposed":
+        return qw.direction_view(columnwise=True, keep_other_scales=True)
+    if view == "rowwise":
+        return qw.direction_view(columnwise=False)
+    raise ValueError(f"unknown saved weight view {view!r}")
+
+
 def grouped_rows(x2d: torch.Tensor, splits: torch.Tensor) -> GroupedTensor:
     """Wrap (rows, C) token rows as an expert-grouped tensor (no copy)."""
     return GroupedTensor(num_tensors=splits.numel(), logical_shape=tuple(x2d.shape), dtype=x2d.dtype,

@@ -8,7 +8,7 @@ import torch
 from lpmoe.functional.gathered_rows import GatheredRows
 from lpmoe.grouped_tensor import GroupedTensor
 from lpmoe.policy.base import (Forward, Grad, LinearPolicy, Needs, Tokens, dequantized_rows, grouped_rows,
-                               recipe_quantizer)
+                               recipe_quantizer, saved_weight_view)
 from lpmoe.quantize import group_quantize, group_quantize_dbias
 from lpmoe.quantizers import Float8BlockQuantizer
 from lpmoe.recipe import Float8BlockScaling
@@ -19,6 +19,9 @@ __all__ = ["Fp8Block", "Fp8BlockHighPrecisionBackward", "Fp8BlockDequantizedBack
 class _Fp8Forward(LinearPolicy):
     """The FP8 forward shared by every backward_override: x quantized 1x128
     (or handed over quantized by a fused activation), W 128x128."""
+
+    #: what the forward keeps of the quantized weights for dgrad (saved_weight_view)
+    saved_weight = "rowwise"
 
     def __init__(self, recipe: Float8BlockScaling):
         self.recipe = recipe
@@ -56,6 +59,8 @@ class Fp8Block(_Fp8Forward):
     expert MLP, docs/grouped-mlp-notes.md); two passes read dy twice, the
     bits are the same."""
 
+    saved_weight = "transposed"
+
     def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
         # save_original: keep the caller's input (or the tokens it is
         # gathered from) instead of x's transposed FP8 copy, and quantize
@@ -72,7 +77,7 @@ class Fp8Block(_Fp8Forward):
             saved_x = x.gathered if x.gathered is not None else x.hp
         else:
             saved_x = qx.direction_view(columnwise=True) if need.wgrad and qx.columnwise_data is not None else None
-        saved_w = qw.direction_view(columnwise=True, keep_other_scales=True) if need.dgrad else None
+        saved_w = saved_weight_view(qw, self.saved_weight) if need.dgrad else None
         return Forward(x=qx, w=qw, saved_x=saved_x, saved_w=saved_w)
 
     def wgrad_tokens(self, saved_x, splits):
@@ -152,7 +157,8 @@ class Fp8BlockDequantizedBackward(_Fp8Forward):
     def forward(self, x: Tokens, weights, splits, need: Needs) -> Forward:
         qx = self._quantized_x(x, splits, columnwise=False)
         qw = self._quantized_w(weights, columnwise=False)
-        return Forward(x=qx, w=qw, saved_x=qx if need.wgrad else None, saved_w=qw if need.dgrad else None)
+        return Forward(x=qx, w=qw, saved_x=qx if need.wgrad else None,
+                       saved_w=saved_weight_view(qw, self.saved_weight) if need.dgrad else None)
 
     def grad(self, dy, splits, need: Needs) -> Grad:
         t = grouped_rows(dy, splits.device)
