@@ -17,7 +17,7 @@ from lpmoe.library.routing import tracing
 from lpmoe.quantize import group_quantize, group_quantize_buffers
 
 __all__ = ["WeightCache", "WeightSource", "stack_weights", "cache_in_use", "register_optimizer_cache",
-           "optimizer_cache_of"]
+           "optimizer_cache_of", "quantize_new_cache"]
 
 
 _cache_counter = itertools.count(1)
@@ -249,15 +249,16 @@ def _quantized_weights(src: "WeightSource", quantizer, capturing: bool) -> Group
     if fit:  # in place: pointers stay stable for graphs captured later
         out = _quantize_into(cache.quantized, src.stacked(), g)
     else:
-        out = cache.quantized = _into_new_cache(src.stacked(), quantizer, g)
+        out = cache.quantized = quantize_new_cache(src.stacked(), quantizer, g)
     cache.source = None  # only the optimizer's writes serve default calls
     return out
 
 
-def _into_new_cache(x: torch.Tensor, quantizer, g: int) -> GroupedTensor:
+def quantize_new_cache(x: torch.Tensor, quantizer, g: int) -> GroupedTensor:
     """A cache's first quantization, into buffers that outlive the call and
     so are made outside any CUDA-graph pool: this call may be a
-    reduce-overhead warm-up (lpmoe._persistent)."""
+    reduce-overhead warm-up (lpmoe._persistent).  ``x``: the (G*N, K)
+    stacked weights."""
     out = persistent(lambda: group_quantize_buffers(x, quantizer, g), x.device)
     return _quantize_into(out, x, g)
 

@@ -16,11 +16,25 @@ when it rebuilds the objects; a traced backward gets an empty fake view of
 that description).
 
 The backward reads the cache as it is when the backward runs: the buffers
-the forward read unless the cache was rewritten in between.  Outside CUDA
-graphs a rewrite that PyTorch's version counters see (lpmoe.optim.AdamW's
-step bumps the FP8 buffers' versions) makes the backward raise, as eager
-autograd refuses it; a replayed graph checks nothing, like any captured
-read of the cache.
+the forward read unless the cache was rewritten in between.  Eager
+autograd refuses such a backward (the saved buffers' versions moved).
+Here one record per cache stands in for that: each forward that reads the
+cache notes its buffers' versions (lpmoe.optim.AdamW's step bumps them),
+and a backward that finds them moved raises.  It catches a rewrite after
+the latest such forward (a step between a micro-batch's forward and its
+backward), not one followed by another micro-batch's forward before the
+first backward: per-forward state cannot cross a compiled graph's op
+boundary except as tensors.  A forward recorded into a CUDA graph leaves no
+record (its replays run no Python), and neither checks a replayed
+backward: captured reads of the cache are never checked.
+
+Default calls (``is_first_microbatch=None``) that read lpmoe.optim.AdamW's
+cache still hand its buffers out as saved tensors: whether the cache holds
+the weights is known only when the call runs, and the saved layout is fixed
+when the graph is traced.  Under capture such a call quantizes instead
+(functional.weights.optimizer_cache_of), and a compiled backward of lpmoe's
+layers is its own ops, in which Inductor allocates nothing that could reuse
+a saved buffer (checked in the generated code on the CPU).
 """
 from __future__ import annotations
 
@@ -45,8 +59,8 @@ _BUFFERS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_in
 
 class CachedWeight:
     """Stands for ``saved_weight_view(cache(key).quantized, view)``, a
-    GroupedTensor described by ``meta`` (grouped_codec.meta_of) on a device
-    of type ``device``."""
+    GroupedTensor described by ``meta`` (grouped_codec.meta_of) on
+    ``device`` (its string, index included)."""
     __slots__ = ("key", "view", "meta", "device")
 
     def __init__(self, key: int, view: str, meta: str, device: str):
@@ -77,8 +91,9 @@ def mark_cached(objs: Sequence, slots: Sequence[Tuple[int, int]], policy, fake: 
                                 for f in _BUFFERS):
                 raise RuntimeError("lpmoe: a layer call with is_first_microbatch True/False did not read its "
                                    "weight cache; please report this")
-            cache.forward_versions = _versions(q)
-        objs[i] = CachedWeight(key, policy.saved_weight, meta_of(obj), obj.device.type)
+            captured = obj.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            cache.forward_versions = None if captured else _versions(q)
+        objs[i] = CachedWeight(key, policy.saved_weight, meta_of(obj), str(obj.device))
     return tuple(objs)
 
 

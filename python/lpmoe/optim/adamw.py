@@ -31,12 +31,11 @@ from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 
-from lpmoe.functional.weights import register_optimizer_cache, stack_weights
+from lpmoe.functional.weights import quantize_new_cache, register_optimizer_cache, stack_weights
 from lpmoe.library.routing import OPS
 from lpmoe.optim.kernels import MASTER_DTYPES, QUANTIZED_BUFFERS
 from lpmoe.optim.masters import Masters, keep_fp32_state, masters_in_place_of
 from lpmoe.optim.units import ExpertWeights, expert_weights_of
-from lpmoe.quantize import group_quantize
 from lpmoe.quantizers import Float8BlockQuantizer
 from lpmoe.reference.optim import adamw_scalars
 
@@ -254,7 +253,7 @@ class AdamW(torch.optim.AdamW):
             p0 = params[0]
             if not cache.usable_for(q, g, (g * n, k), p0.dtype, p0.device):
                 # the cache's buffers, made once (their values are overwritten below)
-                cache.quantized = group_quantize(stack_weights(weights), q, num_tensors=g)
+                cache.quantized = quantize_new_cache(stack_weights(weights), q, g)
             unit.buffers_of = cache.quantized
         OPS["adamw_fp8_block_step"](weights, members(grads), masters, members([st["exp_avg"] for st in states]),
                                     members([st["exp_avg_sq"] for st in states]), scalars, cache.quantized.quantizer,
