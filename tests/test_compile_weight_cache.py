@@ -30,7 +30,7 @@ def _model(kind, device, stacked=False):
 
 def _splits(gen, device):
     s = torch.randperm(4, generator=gen) * 40 + 10
-    return s.to(device) if device == "cuda" else s  # CPU: a tensor read when the op runs
+    return s.to(device) if device.startswith("cuda") else s  # CPU: a tensor read when the op runs
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -106,3 +106,15 @@ def test_a_cleared_cache_is_an_error_in_the_backward():
     m.weight_cache.clear()
     with pytest.raises(RuntimeError, match="found no weight cache"):
         y.float().sum().backward()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_compiled_staged_backward_on_a_second_gpu(monkeypatch):
+    """A model on cuda:1 while cuda:0 is current: the traced backward's view
+    of the cached weights is made on the weights' own device (the staged
+    fc2 dgrad op reads it while tracing), and compiled equals eager."""
+    from lpmoe.library import mlp_ops
+    monkeypatch.setattr(mlp_ops, "SPLIT_BACKWARD_BYTES", 0)
+    with torch.cuda.device(0), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        _microbatches("cuda:1", FP8, "mlp")
