@@ -15,8 +15,8 @@ from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import saved_layout, specs
 from lpmoe.library.cached_weights import mark_cached
 from lpmoe.library.grouped_codec import symbolic_sizes
-from lpmoe.library.layer_common import (CALLS, cache_key, cached_slots, fused_weights, needs_of_list, op_cache, op_splits,
-                                         setup_context_of, signature)
+from lpmoe.library.layer_common import (CALLS, cache_key, cached_slots, fused_weights, needs_of_list, op_cache,
+                                         op_splits, setup_context_of, signature)
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.policy import Needs, policy_for
 

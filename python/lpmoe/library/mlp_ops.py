@@ -27,8 +27,8 @@ from lpmoe.library import fused_main_grads as fused_mg
 from lpmoe.library import mlp_route, saved_layout, specs
 from lpmoe.library.cached_weights import mark_cached
 from lpmoe.library.grouped_codec import symbolic_sizes
-from lpmoe.library.layer_common import (CALLS, cache_key, cached_slots, fused_weights, needs_of_list, op_splits, setup_context_of,
-                                         signature)
+from lpmoe.library.layer_common import (CALLS, cache_key, cached_slots, fused_weights, needs_of_list, op_splits,
+                                         setup_context_of, signature)
 from lpmoe.library.mlp_backward_ops import (SAVED_FOR, SAVED_FOR_FC2, STAGE_ACT, act_run, dgrad_first_of, fc1_dh,
                                             fc1_run, fc2_outputs, fc2_parts, fc2_run, grouped_mlp_backward,
                                             grouped_mlp_backward_act, grouped_mlp_backward_fc1)

@@ -358,7 +358,9 @@ def stage_slots(key: str, objects: Sequence[int]) -> List[int]:
     slots = set()
     for i in objects:
         kind, ref, _ = steps[i]
-        refs = () if kind in ("none", "c") else ((ref,) if kind == "t" else (ref if kind == "l" else [r for _, r in ref]))
+        if kind in ("none", "c"):  # nothing saved (a cache reference reads no tensor)
+            continue
+        refs = (ref,) if kind == "t" else (ref if kind == "l" else [r for _, r in ref])
         slots.update(r if isinstance(r, int) else r[0] for r in refs if r is not None)
     return sorted(slots)
 
