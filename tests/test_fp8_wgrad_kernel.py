@@ -83,10 +83,15 @@ def test_gpu_every_wgrad_config_matches_reference(config, split_name, dims, out)
     base = (torch.randn(g, n, k, device="cuda") * ref.abs().mean().item()).to(dtype)
     d = base.clone() if acc else torch.full((g, n, k), float("nan"), dtype=dtype, device="cuda")
     key = fp8_kernel_key(*config, kind="wgrad")
-    before = CALLS.get(key, 0)
+    before, tma_before = CALLS.get(key, 0), CALLS.get("fp8_wgrad_bf16_tma_store", 0)
     with fp8_wgrad_kernel_config(*config):
         lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=d, accumulate=acc, backend="grouped")
     assert CALLS[key] == before + 1
+    # Fresh bf16 output leaves lpmoe's kernel through its TMA-store strips
+    # (rows past N and columns past K clipped by the map); accumulation and
+    # fp32 take the other epilogues.
+    tma = out == "bf16" and config[0] > 0
+    assert CALLS.get("fp8_wgrad_bf16_tma_store", 0) == tma_before + int(tma)
     for t, m in enumerate(splits):
         if m == 0:  # empty member: zeros, or the accumulator untouched
             assert torch.equal(d[t], base[t]) if acc else bool((d[t] == 0).all())
@@ -131,13 +136,13 @@ def test_gpu_wgrad_no_tokens_at_all(acc):
 
 @requires_cuda
 def test_gpu_wgrad_group_count_limits():
-    """Past the width-192 member table (939 groups) the automatic choice
-    takes width 128 (3047); past that the CUTLASS kernel runs; a pinned width
+    """Past the width-192 member table (3311 groups) the automatic choice
+    takes width 128 (7403); past that the CUTLASS kernel runs; a pinned width
     whose table is too small is refused clearly."""
     n, k = 128, 384  # the cost model prefers 192 here
     from lpmoe._ext import ext
     assert tuple(ext().fp8_wgrad_choice(n, k)) == (192, 1)
-    for g, key in ((1000, fp8_kernel_key(128, 1, kind="wgrad")), (3100, "fp8_cutlass")):
+    for g, key in ((3400, fp8_kernel_key(128, 1, kind="wgrad")), (7500, "fp8_cutlass")):
         splits = [0] * g
         for t in range(0, g, g // 7):
             splits[t] = 3 + t % 130
@@ -150,9 +155,9 @@ def test_gpu_wgrad_group_count_limits():
         _assert_close(d[used], ref[used], mag[used], False)
         assert bool((d[[t for t, m in enumerate(splits) if not m]] == 0).all())
     with pytest.raises(ValueError, match=r"wgrad kernel config \(width 192, cluster 1\) does not exist in this build "
-                                         r"for 1000 groups"):
+                                         r"for 3400 groups"):
         with fp8_wgrad_kernel_config(192, 1):
-            dyg, xg, _, _ = _case([1] * 1000, n, k, seed=1)
+            dyg, xg, _, _ = _case([1] * 3400, n, k, seed=1)
             lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped")
 
 

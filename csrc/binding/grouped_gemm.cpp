@@ -64,7 +64,7 @@ int64_t grouped_gemm_setup_bytes(int64_t num_groups) {
   return static_cast<int64_t>(gemm::grouped_gemm_setup_bytes(static_cast<int>(num_groups)));
 }
 
-std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
+std::tuple<int64_t, int64_t, int64_t> grouped_gemm_cutlass(
     int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale, const at::Tensor& b,
     const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems, const c10::optional<at::Tensor>& b_scale,
     int64_t b_scale_member_elems, const at::Tensor& d, const at::Tensor& padded_row_offsets, int64_t num_groups,
@@ -154,13 +154,14 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
   args.stream = current_stream();
   cudaError_t st = cudaErrorNotSupported;
   fp8_gemm::BlockScaledConfig ran{-1, 0};  // CUTLASS
+  bool wgrad_tma_store = false;
   if (fp8 && fp8_width != -1) {
     // lpmoe's block-scaled kernels.  The heuristic's choice (zeros) falls
     // back to CUTLASS where they cannot run (discrete weights, too many
     // groups); a forced configuration fails instead.
     const fp8_gemm::BlockScaledConfig want{static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)};
     const bool forced = fp8_width != 0 || fp8_cluster != 0;
-    st = gk == gemm::GemmKind::kWgrad ? fp8_gemm::run_wgrad(args, want, &ran)
+    st = gk == gemm::GemmKind::kWgrad ? fp8_gemm::run_wgrad(args, want, &ran, &wgrad_tma_store)
                                       : fp8_gemm::run_block_scaled(args, a_rows, want, &ran);
     if (st == cudaErrorNotSupported && forced) {
       throw std::invalid_argument(std::string("lpmoe: the FP8 block-scaled ") +
@@ -199,7 +200,7 @@ std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
   TORCH_CHECK(st != cudaErrorNotSupported, "lpmoe: this build has no sm_90a grouped GEMM code (build with "
               "TORCH_CUDA_ARCH_LIST containing 9.0a)");
   LPMOE_CHECK_LAUNCH(st, "grouped GEMM");
-  return {ran.block_n, ran.cluster};
+  return {ran.block_n, ran.cluster, wgrad_tma_store ? 1 : 0};
 }
 
 void grouped_gemm_cublas(int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,

@@ -17,8 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // fp8_block_quantize's row_source (rows gathered from a token matrix),
   // permute_row_sources.  5: fp8_block_dequantize_kernel_launches.
   // 6: adamw_fp8_block_step (csrc/optim).  7: its masters (16-bit
-  // parameters with fp32 master weights).
-  m.attr("BINDING_VERSION") = 7;
+  // parameters with fp32 master weights).  8: grouped_gemm_cutlass also
+  // says whether the wgrad kernel's bf16 output left through TMA stores.
+  m.attr("BINDING_VERSION") = 8;
   m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
         py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
         py::arg("second"), py::arg("capacity_rows"),

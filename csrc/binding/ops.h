@@ -121,7 +121,7 @@ std::tuple<int64_t, int64_t> fp8_wgrad_choice(int64_t n, int64_t k);
 // the heuristic's choice, -1 = the CUTLASS kernel, else a tile width;
 // fp8_cluster: 0 = the heuristic's choice, else 1 or 2 (FP8 fprop/dgrad, and
 // wgrad with its own widths).
-std::tuple<int64_t, int64_t> grouped_gemm_cutlass(
+std::tuple<int64_t, int64_t, int64_t> grouped_gemm_cutlass(
     int64_t kind, int64_t fmt, const at::Tensor& a, const c10::optional<at::Tensor>& a_scale, const at::Tensor& b,
     const c10::optional<at::Tensor>& b_ptrs, int64_t b_member_elems, const c10::optional<at::Tensor>& b_scale,
     int64_t b_scale_member_elems, const at::Tensor& d, const at::Tensor& padded_row_offsets, int64_t num_groups,

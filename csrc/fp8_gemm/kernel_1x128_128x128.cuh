@@ -85,36 +85,14 @@ __device__ __forceinline__ void split_dispatch(int split, F&& f) {
   }
 }
 
-// The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue.
 // The TMA-store epilogue of one math warp whose 16 rows are all inside the
-// group: fragment j (tile columns 8j..8j+7) is one 16-byte chunk of a row in
-// box j / 4, at chunk (j % 4) ^ ((row / 2) % 4) (the 64-byte swizzle); rows
-// r and r + 8 are 512 bytes apart.  One stmatrix x4 writes fragments j and
-// j + 1 (four 8 x 8 matrices: rows 0-7 and 8-15 of each; lanes 8m..8m+7
-// address matrix m's rows), a quarter of the shared-store instructions of
-// 4-byte stores from the wgmma fragment.  Boxes wholly past N are not
-// stored (the map clips a partial one).
+// group: the strip (write_bf16_strip, math_warpgroup.cuh) goes out as 2-D
+// bulk tensor stores of its boxes.  Boxes wholly past N are not stored (the
+// map clips a partial one).
 template <int BlockN>
 __device__ __forceinline__ void store_strip_tma(const CUtensorMap* map_d, const float* res, uint8_t* strip, int lane,
                                                 int col0, int row0, int n_cols) {
-  static_assert(BlockN % 16 == 0, "stmatrix x4 takes two fragments");
-  const int row = (lane % 8) + 8 * ((lane / 8) % 2);  // the strip row this lane addresses
-  const int second = lane / 16;                         // 1: the lane addresses fragment j + 1
-  const int swz = (row >> 1) & 3;
-  uint8_t* at_row = strip + row * 64;
-  auto bf16x2 = [](float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  };
-#pragma unroll
-  for (int j = 0; j < BlockN / 8; j += 2) {  // j even: fragments j and j + 1 share box j / 4
-    uint8_t* at = at_row + (j / 4) * kStoreBoxBytes + ((((j % 4) + second) ^ swz) * 16);
-    cute::SM90_U32x4_STSM_N::copy(bf16x2(res[4 * j], res[4 * j + 1]), bf16x2(res[4 * j + 2], res[4 * j + 3]),
-                                  bf16x2(res[4 * j + 4], res[4 * j + 5]), bf16x2(res[4 * j + 6], res[4 * j + 7]),
-                                  *reinterpret_cast<cute::uint128_t*>(at));
-  }
-  cute::tma_store_fence();  // generic-proxy writes visible to the bulk copies
-  __syncwarp();
+  write_bf16_strip<BlockN>(res, strip, lane);
   if (lane == 0) {
 #pragma unroll
     for (int b = 0; b < BlockN / kStoreBoxCols; ++b) {
@@ -126,6 +104,7 @@ __device__ __forceinline__ void store_strip_tma(const CUtensorMap* map_d, const 
   }
 }
 
+// The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue.
 template <int BlockN, int Cluster, class Sched>
 __device__ __forceinline__ void math_loop(const BlockScaledParams& p, const CUtensorMap* map_d, Sched& sched,
                                           uint8_t* smem, uint64_t* full, uint64_t* empty, int rank, int first_tile,

@@ -1,7 +1,8 @@
 // Pieces of the math warpgroups shared by the fprop/dgrad kernel
 // (kernel_1x128_128x128.cuh) and the wgrad kernel (wgrad_kernel.cuh): the
 // register split of producer and math warpgroups, one K-block of wgmmas,
-// the hand-back of a pipeline stage and the bf16 epilogue.
+// the hand-back of a pipeline stage and the bf16 epilogues (staged stores,
+// and the strip that TMA stores read).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -155,6 +156,41 @@ __device__ __forceinline__ void bf16_epilogue(const float* res, uint8_t* stage_o
     store(cc, *reinterpret_cast<const uint4*>(stage_out + (lane / 2) * kEpilogueRowBytes + 16 * (lane % 2)));
     __syncwarp();  // every lane has read before the next pass overwrites
   }
+}
+
+// A math warp's 16 x BlockN fragment as a bf16 strip in shared memory, the
+// layout of the TMA-store epilogues (block_scaled.h: boxes of 16 rows x
+// kStoreBoxCols columns, 64-byte rows, 64-byte swizzle): fragment j (tile
+// columns 8j..8j+7) is one 16-byte chunk of a row in box j / 4, at chunk
+// (j % 4) ^ ((row / 2) % 4); rows r and r + 8 are 512 bytes apart.  One
+// stmatrix x4 writes fragments j and j + 1 (four 8 x 8 matrices: rows 0-7 and
+// 8-15 of each; lanes 8m..8m+7 address matrix m's rows), a quarter of the
+// shared-store instructions of 4-byte stores from the wgmma fragment.  Ends
+// with the proxy fence and a warp barrier: lane 0 may then hand the boxes to
+// bulk tensor stores.
+template <int BlockN>
+__device__ __forceinline__ void write_bf16_strip(const float* res, uint8_t* strip, int lane) {
+#if LPMOE_SM90A_DEVICE
+  static_assert(BlockN % 16 == 0, "stmatrix x4 takes two fragments");
+  static_assert(BlockN % kStoreBoxCols == 0, "whole store boxes");
+  const int row = (lane % 8) + 8 * ((lane / 8) % 2);  // the strip row this lane addresses
+  const int second = lane / 16;                         // 1: the lane addresses fragment j + 1
+  const int swz = (row >> 1) & 3;
+  uint8_t* at_row = strip + row * 64;
+  auto bf16x2 = [](float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  };
+#pragma unroll
+  for (int j = 0; j < BlockN / 8; j += 2) {  // j even: fragments j and j + 1 share box j / 4
+    uint8_t* at = at_row + (j / 4) * kStoreBoxBytes + ((((j % 4) + second) ^ swz) * 16);
+    cute::SM90_U32x4_STSM_N::copy(bf16x2(res[4 * j], res[4 * j + 1]), bf16x2(res[4 * j + 2], res[4 * j + 3]),
+                                  bf16x2(res[4 * j + 4], res[4 * j + 5]), bf16x2(res[4 * j + 6], res[4 * j + 7]),
+                                  *reinterpret_cast<cute::uint128_t*>(at));
+  }
+  cute::tma_store_fence();  // generic-proxy writes visible to the bulk copies
+  __syncwarp();
+#endif
 }
 
 }  // namespace fp8_gemm

@@ -64,5 +64,19 @@ bool encode_bf16_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t 
   return r == CUDA_SUCCESS;
 }
 
+bool encode_bf16_members_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
+                             uint32_t box_cols, uint32_t box_rows) {
+  auto fn = encode_fn();
+  if (fn == nullptr || box_cols * 2 != 64) return false;
+  const cuuint64_t dims[3] = {cols, rows, members};
+  const cuuint64_t strides[2] = {cols * 2, cols * rows * 2};
+  const cuuint32_t box[3] = {box_cols, box_rows, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
 }  // namespace fp8_gemm
 }  // namespace lpmoe

@@ -33,8 +33,10 @@ bool wgrad_supports(BlockScaledConfig cfg, int num_groups) {
   }
 }
 
-cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran) {
+cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran,
+                      bool* bf16_tma_store) {
   *ran = BlockScaledConfig{};
+  if (bf16_tma_store != nullptr) *bf16_tma_store = false;
   if (args.kind != gemm::GemmKind::kWgrad || (args.beta != 0.0f && args.beta != 1.0f)) return cudaErrorNotSupported;
   const int g = args.num_groups;
   const BlockScaledConfig pick = choose_wgrad_config(args.k);
@@ -78,6 +80,12 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   if (!p.out_bf16 && !encode_fp32_rows_map(&p.out_map, args.d, args.k, args.n, g, kWgradBoxCols, 16)) {
     return cudaErrorNotSupported;
   }
+  // Fresh bf16 output through TMA stores where the driver takes the map
+  // (else the staged stores, same bits).
+  if (p.out_bf16 && !p.accumulate && args.d != nullptr &&
+      encode_bf16_members_map(&p.out_map, args.d, args.k, args.n, g, kStoreBoxCols, 16)) {
+    p.out_bf16_tma = 1;
+  }
   cudaError_t st = launch_wgrad_maps(a_template, b_template, a_base, b_base, p, args.stream);
   if (st != cudaSuccess) return st;
   const int64_t sm_ctas = args.sm_count / cfg.cluster * cfg.cluster;
@@ -85,7 +93,10 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   const int grid = static_cast<int>(max_ctas < sm_ctas ? max_ctas : sm_ctas);
   st = cfg.block_n == 128 ? launch_width<128>(cfg.cluster, p, grid, args.stream)
                           : launch_width<192>(cfg.cluster, p, grid, args.stream);
-  if (st == cudaSuccess) *ran = cfg;
+  if (st == cudaSuccess) {
+    *ran = cfg;
+    if (bf16_tma_store != nullptr) *bf16_tma_store = p.out_bf16_tma != 0;
+  }
   return st;
 }
 

@@ -35,8 +35,14 @@ struct WgradParams {
   void* d = nullptr;  // (G, N, K), fp32 or bf16
   int out_bf16 = 0;
   int accumulate = 0;  // d += dy^T x (an empty member then leaves d alone)
-  // fp32 output: a map over d as (K, N, G) with (32 x 16) boxes, 128-byte
-  // swizzle; the epilogue stores (or reduce-adds) through it.
+  // 1: out_map is the bf16 map below and fresh bf16 output leaves through
+  // TMA stores; 0: bf16 output takes the staged 16-byte stores (always when
+  // accumulating, which reads the old values).
+  int out_bf16_tma = 0;
+  // A map over d as (K, N, G): fp32 with (32 x 16) boxes and 128-byte
+  // swizzle, through which the epilogue stores (or reduce-adds); or, with
+  // out_bf16_tma, bf16 with (kStoreBoxCols x 16) boxes and 64-byte swizzle
+  // (the strip of write_bf16_strip).
   CUtensorMap out_map{};
 };
 
@@ -54,13 +60,21 @@ struct WgradLayout {
   static_assert(kStageBytes % 1024 == 0, "128-byte swizzled tiles need 1024-byte aligned stages");
   // A stage's scales: one per tile row (dy) and one per tile column (x).
   static constexpr int kScaleStageBytes = (kBlockM + BlockN) * 4;
-  // Output staging, one buffer per math warp (1024-byte aligned: the fp32
-  // boxes are 128-byte swizzled): 16 rows x 32 fp32 for the TMA epilogue, or
-  // the bf16 path's kEpilogueWarpBytes.
-  static constexpr int kEpilogueBytes = 8 * kWgradStagingBytes;
+  // Output staging, one buffer per math warp (1024-byte aligned: the boxes
+  // are swizzled): the warp's whole 16 x BlockN bf16 strip, which TMA stores
+  // read while the warp goes on to the next tile (a member of 512 tokens
+  // gives a tile only 4 K-blocks, and the staged stores took a third of the
+  // math warps' time there, docs/fp8-wgrad-kernel-notes.md stop 52); the
+  // fp32 path's 2 KB boxes and the staged bf16 path use the same area.
+  static constexpr int kWarpEpilogueBytes =
+      16 * BlockN * 2 > kWgradStagingBytes ? 16 * BlockN * 2 : kWgradStagingBytes;
+  static_assert(kWarpEpilogueBytes % 1024 == 0, "swizzled boxes need 1 KB alignment");
+  // fp32 boxes the staging area holds, used in turn (3 at width 192, 2 at 128).
+  static constexpr int kFp32Boxes = kWarpEpilogueBytes / kWgradStagingBytes;
+  static constexpr int kEpilogueBytes = 8 * kWarpEpilogueBytes;
   // Reserve 1 KB alignment slack, the staging and 2 KB for the barriers and
-  // the member table (up to ~2000 groups fit in what the stages leave over);
-  // the rest is pipeline stages (5 at width 192, 6 at 128).
+  // the member table (thousands of groups fit in what the stages leave
+  // over); the rest is pipeline stages (4 at width 192, 5 at 128).
   static constexpr int kStages =
       (kSmemLimit - 1024 - kEpilogueBytes - 2048) / (kStageBytes + kScaleStageBytes);
   static_assert(kStages >= 3, "too few stages");
@@ -95,8 +109,12 @@ bool wgrad_supports(BlockScaledConfig cfg, int num_groups);
 // other width when the chosen one's member table does not fit);
 // cudaErrorNotSupported when the call does not fit (too many groups, beta
 // other than 0 or 1, sizes past int, a map the driver rejects: the binding
-// then runs the CUTLASS kernel).  *ran = the configuration that ran.
-cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran);
+// then runs the CUTLASS kernel).  *ran = the configuration that ran;
+// *bf16_tma_store (if given) = whether a bf16 output left through the TMA
+// strip epilogue (else the staged stores: accumulation, or a map the driver
+// refused).
+cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran,
+                      bool* bf16_tma_store = nullptr);
 
 }  // namespace fp8_gemm
 }  // namespace lpmoe

@@ -20,8 +20,9 @@
 //   K-blocks; an empty member's tiles store zeros (or leave an accumulated
 //   output alone), so no separate zeroing launch exists.
 // * The fp32 epilogue goes out through TMA stores (reduce-adds when
-//   accumulating) of per-warp 16 x 32 boxes; bf16 through the per-warp
-//   staging tile and 16-byte stores as in fprop.
+//   accumulating) of per-warp 16 x 32 boxes; fresh bf16 through TMA stores
+//   of the warp's whole strip, as fprop's; accumulated bf16 (which reads the
+//   old values) through the per-warp staging tile and 16-byte stores.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,20 +50,24 @@ __device__ __forceinline__ void promote_outer(float* res, const float* acc, floa
 }
 
 // fp32 output through the TMA unit: the warp writes its 16 rows x 32
-// columns into its staging box (128-byte swizzled rows: the fragment's
-// 8-byte writes from 8 rows land in distinct banks), and one lane hands the
-// box to a bulk tensor store, or to a bulk reduce-add for accumulation
-// (the add happens in L2: no load round trip on the math warps' path, and
-// the math warps go on to the next tile while the box drains).  The map
-// clips rows past N and columns past K.
-template <int BlockN>
+// columns into a staging box (128-byte swizzled rows: the fragment's 8-byte
+// writes from 8 rows land in distinct banks), and one lane hands the box to
+// a bulk tensor store, or to a bulk reduce-add for accumulation (the add
+// happens in L2: no load round trip on the math warps' path, and the math
+// warps go on to the next tile while the boxes drain).  The warp's staging
+// area holds Boxes boxes used in turn, so a box is rewritten only once the
+// store issued from it Boxes stores ago has read it (BlockN / 32 is a
+// multiple of Boxes, so the turn restarts with every tile).  The map clips
+// rows past N and columns past K.
+template <int BlockN, int Boxes>
 __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float* res, int group, int warp_row0,
-                                               int tile_col0, int lane, uint8_t* box, bool accumulate) {
+                                               int tile_col0, int lane, uint8_t* staging, bool accumulate) {
+  static_assert((BlockN / kWgradBoxCols) % Boxes == 0, "the box turn restarts with each tile");
   const int r = lane / 4;
 #pragma unroll
   for (int c = 0; c < BlockN / kWgradBoxCols; ++c) {
-    // The previous box (of this tile or the last) has been read out.
-    if (lane == 0) cute::tma_store_wait<0>();
+    uint8_t* box = staging + (c % Boxes) * kWgradStagingBytes;
+    if (lane == 0) cute::tma_store_wait<Boxes - 1>();
     __syncwarp();
 #pragma unroll
     for (int jj = 0; jj < kWgradBoxCols / 8; ++jj) {
@@ -116,6 +121,30 @@ __device__ __forceinline__ void store_bf16(const WgradParams& p, __nv_bfloat16* 
       });
 }
 
+// Fresh bf16 output through the TMA unit: the warp writes its whole 16 x
+// BlockN strip (write_bf16_strip) and lane 0 hands each box to a bulk tensor
+// store over (K, N, G), which clips rows past N and columns past K; the warp
+// goes on to the next tile while the boxes drain.  The strip is rewritten
+// only after the stores issued from it a tile ago have read it (at least
+// one K-block later: no wait in practice).
+template <int BlockN>
+__device__ __forceinline__ void store_bf16_tma(const WgradParams& p, const float* res, int group, int warp_row0,
+                                               int tile_col0, int lane, uint8_t* strip) {
+  if (lane == 0) cute::tma_store_wait<0>();
+  __syncwarp();
+  write_bf16_strip<BlockN>(res, strip, lane);
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < BlockN / kStoreBoxCols; ++b) {
+      if (tile_col0 + b * kStoreBoxCols < p.k_cols) {
+        cute::SM90_TMA_STORE_3D::copy(&p.out_map, strip + b * kStoreBoxBytes, tile_col0 + b * kStoreBoxCols,
+                                      warp_row0, group);
+      }
+    }
+    cute::tma_store_arrive();
+  }
+}
+
 template <int BlockN, int Cluster>
 __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTileOrder<kBandRowTiles / Cluster>& order,
                                            const int* first_block, uint8_t* smem, uint64_t* full, uint64_t* empty,
@@ -131,7 +160,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   const int w_in_wg = warp % 4;
   const int row_in_tile = wg * 64 + w_in_wg * 16 + lane / 4;
   const int col_in_frag = 2 * (lane % 4);
-  uint8_t* stage_out = smem + L::kEpilogueOffset + warp * kWgradStagingBytes;
+  uint8_t* stage_out = smem + L::kEpilogueOffset + warp * L::kWarpEpilogueBytes;
   float acc[BlockN / 2];
   float res[BlockN / 2];
   constexpr int kStages = L::kStages;
@@ -171,11 +200,13 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
 
     const int64_t member = int64_t(t.group) * p.n_rows * p.k_cols;
     const int warp_row0 = n0 + wg * 64 + w_in_wg * 16;
-    if (p.out_bf16) {
+    if (p.out_bf16_tma) {
+      store_bf16_tma<BlockN>(p, res, t.group, warp_row0, k0, lane, stage_out);
+    } else if (p.out_bf16) {
       store_bf16<BlockN>(p, static_cast<__nv_bfloat16*>(p.d) + member, res, warp_row0, k0, lane, stage_out,
                          p.accumulate != 0);
     } else {
-      store_fp32_tma<BlockN>(p, res, t.group, warp_row0, k0, lane, stage_out, p.accumulate != 0);
+      store_fp32_tma<BlockN, L::kFp32Boxes>(p, res, t.group, warp_row0, k0, lane, stage_out, p.accumulate != 0);
     }
   }
   if (lane == 0) cute::tma_store_wait<0>();  // the last boxes are read before the CTA's memory goes

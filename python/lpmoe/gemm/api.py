@@ -340,13 +340,15 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool, zero_ta
         target = out.float() if accumulate else torch.empty(out.shape, dtype=torch.float32, device=out.device)
     ws = gemm_workspace(ops.device, slot_for_kind(ops.kind))
     setup = setup_workspace(ops.device, g)
-    width, cluster = ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member,
+    width, cluster, tma_store = ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member,
                                                 b_scale, b_scale_member, target, a.padded_row_offsets, g, n, k,
                                                 1.0 if accumulate else 0.0, setup, ws,
                                                 *(_fp8_wgrad_config if ops.kind == "wgrad" else _fp8_config),
                                                 zero_tail)
     key = fp8_kernel_key(width, cluster, ops.kind) if ops.fp8 else f"16bit_rows{width}"
     CALLS[key] = CALLS.get(key, 0) + 1
+    if tma_store:  # lpmoe's wgrad kernel wrote bf16 through its TMA-store strips
+        CALLS["fp8_wgrad_bf16_tma_store"] = CALLS.get("fp8_wgrad_bf16_tma_store", 0) + 1
     if target is not out:
         out.copy_(target)
 
