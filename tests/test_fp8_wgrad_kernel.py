@@ -116,6 +116,25 @@ def test_gpu_wgrad_configs_agree_bitwise(out_dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("config", CONFIGS[:-1])
+def test_gpu_wgrad_bf16_tma_store_is_the_fp32_result_rounded(config):
+    """The TMA-store bf16 epilogue writes exactly the fp32 epilogue's values
+    rounded to nearest once: many tiles per CTA, members of 0, 1, 127 and
+    512 tokens, partial row and column tiles, 1000 mostly empty members
+    (past the member table the width-192 kernel had before its strips)."""
+    for splits, n, k in (([512, 0, 1, 127, 640, 0, 300] * 6, 400, 528), ([0] * 990 + [1, 127, 3, 0, 512] * 2, 128, 384)):
+        dyg, xg, _, _ = _case(splits, n, k, seed=len(splits))
+        key = fp8_kernel_key(*config, kind="wgrad")
+        before, tma_before = CALLS.get(key, 0), CALLS.get("fp8_wgrad_bf16_tma_store", 0)
+        with fp8_wgrad_kernel_config(*config):
+            d32 = lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped")
+            d16 = torch.full((len(splits), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+            lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=d16, backend="grouped")
+        assert CALLS[key] == before + 2 and CALLS["fp8_wgrad_bf16_tma_store"] == tma_before + 1
+        assert torch.equal(d16, d32.to(torch.bfloat16))
+
+
+@requires_cuda
 @pytest.mark.parametrize("acc", [False, True])
 def test_gpu_wgrad_no_tokens_at_all(acc):
     """Zero token rows in every member: a fresh output becomes zeros, an

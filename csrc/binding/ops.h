@@ -117,7 +117,8 @@ std::tuple<int64_t, int64_t> fp8_block_scaled_choice(int64_t a_rows, int64_t num
 std::tuple<int64_t, int64_t> fp8_wgrad_choice(int64_t n, int64_t k);
 // Returns which kernel ran: (tile width, cluster) of lpmoe's FP8
 // block-scaled kernel, (-1, 0) for the CUTLASS FP8 kernels, and (tile rows,
-// 0) for the 16-bit kernels (64 or 128, gemm/heuristics16.h).  fp8_width: 0 =
+// 0) for the 16-bit kernels (64 or 128, gemm/heuristics16.h); then 1 when
+// lpmoe's wgrad kernel wrote bf16 through its TMA-store strips, else 0.  fp8_width: 0 =
 // the heuristic's choice, -1 = the CUTLASS kernel, else a tile width;
 // fp8_cluster: 0 = the heuristic's choice, else 1 or 2 (FP8 fprop/dgrad, and
 // wgrad with its own widths).

@@ -125,8 +125,9 @@ __device__ __forceinline__ void store_bf16(const WgradParams& p, __nv_bfloat16* 
 // BlockN strip (write_bf16_strip) and lane 0 hands each box to a bulk tensor
 // store over (K, N, G), which clips rows past N and columns past K; the warp
 // goes on to the next tile while the boxes drain.  The strip is rewritten
-// only after the stores issued from it a tile ago have read it (at least
-// one K-block later: no wait in practice).
+// only after the stores issued from it a tile ago have read it (a tile's
+// K-blocks later: no wait in practice, except after an empty member's tile,
+// which has none).
 template <int BlockN>
 __device__ __forceinline__ void store_bf16_tma(const WgradParams& p, const float* res, int group, int warp_row0,
                                                int tile_col0, int lane, uint8_t* strip) {

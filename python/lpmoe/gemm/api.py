@@ -64,7 +64,8 @@ _KIND = {"fprop": 0, "dgrad": 1, "wgrad": 2}
 #: grouped calls count their tile's rows: "16bit_rows128" or "16bit_rows64"
 #: (fprop/dgrad of groups averaging <= 128 rows, csrc/gemm/heuristics16.h).
 #: "row_epilogue" counts the separate bias / capacity-tail launch (the grouped
-#: kernels zero a fresh output's tail themselves).
+#: kernels zero a fresh output's tail themselves); "fp8_wgrad_bf16_tma_store"
+#: the wgrad kernel's bf16 outputs written through TMA stores.
 CALLS = {"grouped": 0, "cublas": 0, "reference": 0, "fp8_cutlass": 0, "16bit_rows128": 0, "16bit_rows64": 0,
          "row_epilogue": 0}
 
@@ -340,11 +341,10 @@ def _run_grouped(ops: GemmOperands, out: torch.Tensor, accumulate: bool, zero_ta
         target = out.float() if accumulate else torch.empty(out.shape, dtype=torch.float32, device=out.device)
     ws = gemm_workspace(ops.device, slot_for_kind(ops.kind))
     setup = setup_workspace(ops.device, g)
-    width, cluster, tma_store = ext().grouped_gemm_cutlass(_KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member,
-                                                b_scale, b_scale_member, target, a.padded_row_offsets, g, n, k,
-                                                1.0 if accumulate else 0.0, setup, ws,
-                                                *(_fp8_wgrad_config if ops.kind == "wgrad" else _fp8_config),
-                                                zero_tail)
+    width, cluster, tma_store = ext().grouped_gemm_cutlass(
+        _KIND[ops.kind], fmt, a_data, a_scale, b_data, b_ptrs, b_member, b_scale, b_scale_member, target,
+        a.padded_row_offsets, g, n, k, 1.0 if accumulate else 0.0, setup, ws,
+        *(_fp8_wgrad_config if ops.kind == "wgrad" else _fp8_config), zero_tail)
     key = fp8_kernel_key(width, cluster, ops.kind) if ops.fp8 else f"16bit_rows{width}"
     CALLS[key] = CALLS.get(key, 0) + 1
     if tma_store:  # lpmoe's wgrad kernel wrote bf16 through its TMA-store strips
