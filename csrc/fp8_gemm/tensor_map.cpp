@@ -36,18 +36,33 @@ bool encode_kmajor_fp8_map(CUtensorMap* map, int rank, const void* base, uint64_
   return r == CUDA_SUCCESS;
 }
 
-bool encode_fp32_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
-                          uint32_t box_cols, uint32_t box_rows) {
+namespace {
+
+// A packed (members, rows, cols) output tensor of `elem_bytes`-byte
+// elements, written in (box_cols x box_rows) boxes whose rows are
+// box_cols * elem_bytes bytes with the swizzle of that width (64 or 128);
+// coordinates (col, row, member).
+bool encode_output_map(CUtensorMap* map, CUtensorMapDataType type, uint64_t elem_bytes, void* base, uint64_t cols,
+                       uint64_t rows, uint64_t members, uint32_t box_cols, uint32_t box_rows) {
   auto fn = encode_fn();
-  if (fn == nullptr || box_cols * 4 != 128) return false;
+  const uint64_t box_row_bytes = box_cols * elem_bytes;
+  if (fn == nullptr || (box_row_bytes != 64 && box_row_bytes != 128)) return false;
+  const CUtensorMapSwizzle swizzle = box_row_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
   const cuuint64_t dims[3] = {cols, rows, members};
-  const cuuint64_t strides[2] = {cols * 4, cols * rows * 4};
+  const cuuint64_t strides[2] = {cols * elem_bytes, cols * rows * elem_bytes};
   const cuuint32_t box[3] = {box_cols, box_rows, 1};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = fn(map, type, 3, base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                        CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+bool encode_fp32_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
+                          uint32_t box_cols, uint32_t box_rows) {
+  if (box_cols * 4 != 128) return false;
+  return encode_output_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, cols, rows, members, box_cols, box_rows);
 }
 
 bool encode_bf16_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint32_t box_cols,
@@ -66,16 +81,8 @@ bool encode_bf16_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t 
 
 bool encode_bf16_members_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
                              uint32_t box_cols, uint32_t box_rows) {
-  auto fn = encode_fn();
-  if (fn == nullptr || box_cols * 2 != 64) return false;
-  const cuuint64_t dims[3] = {cols, rows, members};
-  const cuuint64_t strides[2] = {cols * 2, cols * rows * 2};
-  const cuuint32_t box[3] = {box_cols, box_rows, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
+  if (box_cols * 2 != 64) return false;
+  return encode_output_map(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, cols, rows, members, box_cols, box_rows);
 }
 
 }  // namespace fp8_gemm
