@@ -148,18 +148,21 @@ __device__ __forceinline__ void store_bf16_tma(const WgradParams& p, const float
   }
 }
 
-// Math warpgroup 1 starts each tile of kLead or more K-blocks only after
-// warpgroup 0 has finished that tile's first kLead K-blocks (named barrier
-// kLeadBarrier: warpgroup 0 arrives, warpgroup 1 waits).  The two would
-// otherwise run in lock step, and at 512 tokens per member (4 K-blocks a
-// tile) both would write their epilogue while the tensor pipe idles; held
+// Math warpgroup 1 starts each tile only after warpgroup 0 has finished
+// that tile's first `lead` K-blocks, lead = min(kLead, K-blocks / 2) (named
+// barrier kLeadBarrier: warpgroup 0 arrives, warpgroup 1 waits).  The two
+// would otherwise run in lock step, and at 512 tokens per member (4 K-blocks
+// a tile) both would write their epilogue while the tensor pipe idles; held
 // half a tile apart, each one's epilogue runs under the other's last
 // K-blocks (the 32 x 16k MLP step's wgrad kernels: 1.97-2.02 -> 1.78-1.82
-// ms, H100; lead 3 measured the same, lead 4 (whole tiles in turn) 1.84-1.86;
-// long members unchanged).  Warpgroup 0 can never arrive for a later tile
-// before warpgroup 1 has passed this one's wait: that arrival needs stages
-// which warpgroup 1 releases only after it.  Tiles of fewer K-blocks skip
-// both sides (empty members, 1-128-token members).
+// ms, H100; a fixed lead of 3 measured the same, 4 (whole tiles in turn)
+// 1.84-1.86; long members unchanged).  Half a tile, not a fixed 2: with 31
+// members of 256 tokens (2-K-block tiles) a fixed 2 ran 2-8 % slower than no
+// lead, half a tile 8-10 % faster than the fixed 2.  Warpgroup 0 can never arrive for a later tile before
+// warpgroup 1 has passed this one's wait: that arrival needs stages which
+// warpgroup 1 releases only after it.  Both derive `lead` from the tile's
+// K-block count; tiles of one or none (empty members, members of 1-128
+// tokens) skip both sides.
 constexpr int kLead = 2;
 constexpr int kLeadBarrier = 1;  // barrier 0 is __syncthreads'
 
@@ -183,6 +186,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   float res[BlockN / 2];
   constexpr int kStages = L::kStages;
   uint32_t phase = 0;  // of the full barriers, flipped once per ring turn
+  int lead = 0;        // this tile's K-blocks between the warpgroups (kLead above)
   // One K-block on stage s (a compile-time index once unrolled).  The stage
   // goes back after the promotion, which reads its column scales, through
   // release_stage: its warp barrier keeps the compiler from moving the next
@@ -197,7 +201,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     kblock_wgmma<BlockN>(sw128_kmajor_desc(st + wg * 64 * kRowBytes), sw128_kmajor_desc(st + L::kABytes), acc);
     promote_outer<BlockN>(res, acc, sa0, sa1, sc + kBlockM + col_in_frag);
     release_stage<Cluster>(&empty[s], lane);
-    if (wg == 0 && kb == kLead - 1) cutlass::arch::NamedBarrier::arrive(256, kLeadBarrier);
+    if (wg == 0 && kb == lead - 1) cutlass::arch::NamedBarrier::arrive(256, kLeadBarrier);
   };
   for (int tile = first_tile; tile < total; tile += tile_step) {
     const WgradTile t = order.locate(tile);
@@ -207,7 +211,8 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     const int k0 = t.n_block * BlockN;
 #pragma unroll
     for (int i = 0; i < BlockN / 2; ++i) res[i] = 0.0f;
-    if (wg == 1 && nkb >= kLead) cutlass::arch::NamedBarrier::sync(256, kLeadBarrier);  // kLead above
+    lead = min(kLead, nkb / 2);  // kLead above
+    if (wg == 1 && lead > 0) cutlass::arch::NamedBarrier::sync(256, kLeadBarrier);
 
     // Whole ring turns from stage 0, as in the fprop kernel; the producer
     // pads a partial last turn with stages that carry no data.  No __trap
