@@ -19,8 +19,8 @@
 // * Every member has the same tiles, with a member-dependent number of
 //   K-blocks; an empty member's tiles store zeros (or leave an accumulated
 //   output alone), so no separate zeroing launch exists.
-// * Math warpgroup 1 runs kLead K-blocks behind warpgroup 0 (below), so
-//   their epilogues do not fall on the same cycles.
+// * Math warpgroup 1 runs half a tile (at most kLead K-blocks) behind
+//   warpgroup 0 (below), so their epilogues do not fall on the same cycles.
 // * The fp32 epilogue goes out through TMA stores (reduce-adds when
 //   accumulating) of per-warp 16 x 32 boxes; fresh bf16 through TMA stores
 //   of the warp's whole strip, as fprop's; accumulated bf16 (which reads the
@@ -154,17 +154,17 @@ __device__ __forceinline__ void store_bf16_tma(const WgradParams& p, const float
 // would otherwise run in lock step, and at 512 tokens per member (4 K-blocks
 // a tile) both would write their epilogue while the tensor pipe idles; held
 // half a tile apart, each one's epilogue runs under the other's last
-// K-blocks (the 32 x 16k MLP step's wgrad kernels: 1.97-2.02 -> 1.78-1.82
+// K-blocks (the 32 x 16k MLP step's wgrad kernels: 1.97-2.02 -> 1.80-1.82
 // ms, H100; a fixed lead of 3 measured the same, 4 (whole tiles in turn)
 // 1.84-1.86; long members unchanged).  Half a tile, not a fixed 2: with 31
-// members of 256 tokens (2-K-block tiles) a fixed 2 ran 2-8 % slower than no
-// lead, half a tile 8-10 % faster than the fixed 2.  Warpgroup 0 can never arrive for a later tile before
-// warpgroup 1 has passed this one's wait: that arrival needs stages which
-// warpgroup 1 releases only after it.  Both derive `lead` from the tile's
-// K-block count; tiles of one or none (empty members, members of 1-128
-// tokens) skip both sides.
+// members of 256 tokens (2-K-block tiles) a fixed 2 ran 2-8 % slower than
+// no lead, half a tile 8-10 % faster than the fixed 2.  Warpgroup 0 can
+// never arrive for a later tile before warpgroup 1 has passed this one's
+// wait: that arrival needs stages which warpgroup 1 releases only after it.
+// Both derive `lead` from the tile's K-block count; tiles of one or none
+// (empty members, members of 1-128 tokens) skip both sides.
 constexpr int kLead = 2;
-constexpr int kLeadBarrier = 1;  // barrier 0 is __syncthreads'
+constexpr int kLeadBarrier = 1;  // NamedBarrier's id (CUTLASS offsets it past its reserved ids)
 
 template <int BlockN, int Cluster>
 __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTileOrder<kBandRowTiles / Cluster>& order,
