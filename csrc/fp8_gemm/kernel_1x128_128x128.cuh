@@ -86,22 +86,14 @@ __device__ __forceinline__ void split_dispatch(int split, F&& f) {
 }
 
 // The TMA-store epilogue of one math warp whose 16 rows are all inside the
-// group: the strip (write_bf16_strip, math_warpgroup.cuh) goes out as 2-D
-// bulk tensor stores of its boxes.  Boxes wholly past N are not stored (the
-// map clips a partial one).
+// group: its strip goes out as 2-D bulk tensor stores over the (rows, N)
+// output (store_bf16_strip, math_warpgroup.cuh).
 template <int BlockN>
 __device__ __forceinline__ void store_strip_tma(const CUtensorMap* map_d, const float* res, uint8_t* strip, int lane,
                                                 int col0, int row0, int n_cols) {
-  write_bf16_strip<BlockN>(res, strip, lane);
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < BlockN / kStoreBoxCols; ++b) {
-      if (col0 + b * kStoreBoxCols < n_cols) {
-        cute::SM90_TMA_STORE_2D::copy(map_d, strip + b * kStoreBoxBytes, col0 + b * kStoreBoxCols, row0);
-      }
-    }
-    cute::tma_store_arrive();
-  }
+  store_bf16_strip<BlockN>(res, strip, lane, col0, n_cols, [&](uint8_t* box, int col) {
+    cute::SM90_TMA_STORE_2D::copy(map_d, box, col, row0);
+  });
 }
 
 // The two math warpgroups: wgmma + promotion per K-block, bf16 epilogue.

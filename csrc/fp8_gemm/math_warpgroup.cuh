@@ -193,5 +193,24 @@ __device__ __forceinline__ void write_bf16_strip(const float* res, uint8_t* stri
 #endif
 }
 
+// The TMA-store epilogue shared by the fprop/dgrad and wgrad kernels: the
+// warp writes its strip (write_bf16_strip), then lane 0 hands each box to
+// `store_box(box, col)` (a 2-D or 3-D bulk tensor store: the kernels' output
+// maps differ) for tile columns col = col0 + b * kStoreBoxCols, skipping
+// boxes wholly past n_cols (the map clips a partial one), and commits them
+// as one bulk group.  The caller makes sure the strip is free.
+template <int BlockN, class StoreBox>
+__device__ __forceinline__ void store_bf16_strip(const float* res, uint8_t* strip, int lane, int col0, int n_cols,
+                                                 StoreBox&& store_box) {
+  write_bf16_strip<BlockN>(res, strip, lane);
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < BlockN / kStoreBoxCols; ++b) {
+      if (col0 + b * kStoreBoxCols < n_cols) store_box(strip + b * kStoreBoxBytes, col0 + b * kStoreBoxCols);
+    }
+    cute::tma_store_arrive();
+  }
+}
+
 }  // namespace fp8_gemm
 }  // namespace lpmoe

@@ -124,8 +124,8 @@ __device__ __forceinline__ void store_bf16(const WgradParams& p, __nv_bfloat16* 
 }
 
 // Fresh bf16 output through the TMA unit: the warp writes its whole 16 x
-// BlockN strip (write_bf16_strip) and lane 0 hands each box to a bulk tensor
-// store over (K, N, G), which clips rows past N and columns past K; the warp
+// BlockN strip and lane 0 hands each box to a bulk tensor store over (K, N,
+// G) (store_bf16_strip), which clips rows past N and columns past K; the warp
 // goes on to the next tile while the boxes drain.  The strip is rewritten
 // only after the stores issued from it a tile ago have read it (a tile's
 // K-blocks later: no wait in practice, except after an empty member's tile,
@@ -135,17 +135,9 @@ __device__ __forceinline__ void store_bf16_tma(const WgradParams& p, const float
                                                int tile_col0, int lane, uint8_t* strip) {
   if (lane == 0) cute::tma_store_wait<0>();
   __syncwarp();
-  write_bf16_strip<BlockN>(res, strip, lane);
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < BlockN / kStoreBoxCols; ++b) {
-      if (tile_col0 + b * kStoreBoxCols < p.k_cols) {
-        cute::SM90_TMA_STORE_3D::copy(&p.out_map, strip + b * kStoreBoxBytes, tile_col0 + b * kStoreBoxCols,
-                                      warp_row0, group);
-      }
-    }
-    cute::tma_store_arrive();
-  }
+  store_bf16_strip<BlockN>(res, strip, lane, tile_col0, p.k_cols, [&](uint8_t* box, int col) {
+    cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, col, warp_row0, group);
+  });
 }
 
 // Math warpgroup 1 starts each tile only after warpgroup 0 has finished
