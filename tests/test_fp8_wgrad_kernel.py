@@ -135,6 +135,29 @@ def test_gpu_wgrad_bf16_tma_store_is_the_fp32_result_rounded(config):
 
 
 @requires_cuda
+@pytest.mark.parametrize("config", CONFIGS[:-1])
+def test_gpu_wgrad_accumulation_is_one_fp32_add_bitwise(config):
+    """Accumulating into fp32 gives exactly old + the fresh fp32 result (one
+    fp32 add per element), on shapes with thousands of tiles per call:
+    members of 0, 7 and 4096 tokens at DeepSeek-V3 fc1's N x K, and 32 of 512
+    tokens with a partial last column tile.  The tolerance test above cannot
+    see a K-block read with the next one's column scales (stop 54's race
+    moved a few whole columns by ~1e-1 relative, every run somewhere else);
+    this one fails on a single wrong bit.  Three calls, since a race may
+    miss one."""
+    for splits, n, k in (([7, 0, 4096], 4096, 7168), ([512] * 32, 256, 2080)):
+        dyg, xg, _, _ = _case(splits, n, k, seed=len(splits))
+        with fp8_wgrad_kernel_config(*config):
+            fresh = lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped")
+            old = torch.randn(len(splits), n, k, device="cuda")
+            want = old + fresh
+            for _ in range(3):
+                d = old.clone()
+                lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=d, accumulate=True, backend="grouped")
+                assert torch.equal(d, want)
+
+
+@requires_cuda
 @pytest.mark.parametrize("acc", [False, True])
 def test_gpu_wgrad_no_tokens_at_all(acc):
     """Zero token rows in every member: a fresh output becomes zeros, an

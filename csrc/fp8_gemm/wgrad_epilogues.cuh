@@ -6,6 +6,8 @@
 
 #include <cuda_bf16.h>
 
+#include <cute/arch/copy_sm80.hpp>
+
 #include "fp8_gemm/math_warpgroup.cuh"
 #include "fp8_gemm/sm90_primitives.cuh"
 #include "fp8_gemm/wgrad.h"
@@ -16,20 +18,20 @@ namespace fp8_gemm {
 // fp32 output through the TMA unit: the warp writes its 16 rows x 32
 // columns into a staging box (128-byte swizzled rows: the fragment's 8-byte
 // writes from 8 rows land in distinct banks), and one lane hands the box to
-// a bulk tensor store, or to a bulk reduce-add for accumulation (the add
-// happens in L2: no load round trip on the math warps' path, and the math
-// warps go on to the next tile while the boxes drain).  The warp's staging
-// area holds Boxes boxes used in turn, so a box is rewritten only once the
-// store issued from it Boxes stores ago has read it (BlockN / 32 is a
-// multiple of Boxes, so the turn restarts with every tile).  The map clips
-// rows past N and columns past K.
-template <int BlockN, int Boxes>
+// a bulk tensor store; the math warps go on to the next tile while the
+// boxes drain.  The warp's staging area holds Boxes boxes used in turn, so a
+// box is rewritten only once the store issued from it Boxes stores ago has
+// read it (BlockN / 32 is a multiple of Boxes, so the turn restarts with
+// every tile).  The map clips rows past N and columns past K.  FirstBox > 0
+// stores only the strip's boxes from there on (accumulation's second half,
+// after FirstBox = Boxes stores of its own).
+template <int BlockN, int Boxes, int FirstBox = 0>
 __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float* res, int group, int warp_row0,
-                                               int tile_col0, int lane, uint8_t* staging, bool accumulate) {
+                                               int tile_col0, int lane, uint8_t* staging) {
   static_assert((BlockN / kWgradBoxCols) % Boxes == 0, "the box turn restarts with each tile");
   const int r = lane / 4;
 #pragma unroll
-  for (int c = 0; c < BlockN / kWgradBoxCols; ++c) {
+  for (int c = FirstBox; c < BlockN / kWgradBoxCols; ++c) {
     uint8_t* box = staging + (c % Boxes) * kWgradStagingBytes;
     if (lane == 0) cute::tma_store_wait<Boxes - 1>();
     __syncwarp();
@@ -44,15 +46,94 @@ __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float
     cute::tma_store_fence();  // generic-proxy writes visible to the bulk copy
     __syncwarp();
     if (lane == 0) {
-      const int col = tile_col0 + c * kWgradBoxCols;
-      if (accumulate) {
-        cute::SM90_TMA_REDUCE_ADD_3D::copy(&p.out_map, box, col, warp_row0, group);
-      } else {
-        cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, col, warp_row0, group);
-      }
+      cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, tile_col0 + c * kWgradBoxCols, warp_row0, group);
       cute::tma_store_arrive();
     }
   }
+}
+
+// Accumulation into fp32 (main_grad).  At 512 tokens per member the call is
+// bound by the (G, N, K) read-modify-write, and what limits it is the bytes
+// in flight: bulk reduce-adds (the add in L2), or all old values loaded at
+// the epilogue, drew 60-66 % of the DRAM bandwidth (docs/fp8-wgrad-kernel-
+// notes.md, stop 54).  Here the old values of the strip's first Boxes boxes
+// come into the staging boxes by cp.async when the tile starts
+// (load_old_first_half), so they stream under the tile's K-blocks; the
+// epilogue then loads the other half straight into registers (`old`: the
+// accumulator, dead by then), adds the first half in shared memory and
+// stores it, and stores the second half through the fresh-output path
+// (DeepSeek-V3 fc1 at 32 x 512 tokens: 4.10 -> 3.38-3.43 ms, H100).  The
+// K loop fences its stage releases on this path (fence_scale_reads below).
+// One fp32 add per output, as the reduce-add did: the same bits.  cp.async
+// rows: box c holds 16 rows x 128 bytes, 16-byte chunk q of row r at
+// r * 128 + (q ^ r % 8) * 16 (the map's 128-byte swizzle).
+template <int BlockN, int Boxes>
+__device__ __forceinline__ void load_old_first_half(const WgradParams& p, uint8_t* staging, int group, int warp_row0,
+                                                    int tile_col0, int lane) {
+  const float* d = static_cast<const float*>(p.d) + int64_t(group) * p.n_rows * p.k_cols;
+  if (lane == 0) cute::tma_store_wait<0>();  // the previous tile's stores have read the boxes
+  __syncwarp();
+#pragma unroll
+  for (int c = 0; c < Boxes; ++c) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {  // 128 chunks a box, 4 per lane: rows 4t..4t+3
+      const int r = 4 * t + lane / 8, q = lane % 8;
+      const int row = warp_row0 + r, col = tile_col0 + c * kWgradBoxCols + 4 * q;
+      const bool in = row < p.n_rows && col < p.k_cols;
+      const float* src = in ? d + int64_t(row) * p.k_cols + col : d;
+      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(src),
+          *reinterpret_cast<cute::uint128_t*>(staging + c * kWgradStagingBytes + r * 128 + ((q ^ (r % 8)) * 16)), in);
+    }
+  }
+  cute::cp_async_fence();
+}
+
+template <int BlockN, int Boxes>
+__device__ __forceinline__ void accumulate_fp32_tma(const WgradParams& p, float* res, float* old, int group,
+                                                    int warp_row0, int tile_col0, int lane, uint8_t* staging) {
+  constexpr int kBoxes = BlockN / kWgradBoxCols;
+  static_assert(kBoxes == 2 * Boxes, "half the strip in the staging boxes, half in registers");
+  constexpr int kHalf = Boxes * kWgradBoxCols / 8;  // fragment columns j of the first half
+  const float* d = static_cast<const float*>(p.d) + int64_t(group) * p.n_rows * p.k_cols;
+  const int col0 = tile_col0 + 2 * (lane % 4);
+#pragma unroll
+  for (int j = kHalf; j < BlockN / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + lane / 4 + 8 * half;
+      const int col = col0 + 8 * j;
+      float2 v = make_float2(0.0f, 0.0f);
+      if (row < p.n_rows && col < p.k_cols) v = __ldcs(reinterpret_cast<const float2*>(d + int64_t(row) * p.k_cols + col));
+      old[4 * j + 2 * half] = v.x;
+      old[4 * j + 2 * half + 1] = v.y;
+    }
+  }
+  cute::cp_async_wait<0>();
+  __syncwarp();  // every lane's chunks have landed
+#pragma unroll
+  for (int c = 0; c < Boxes; ++c) {
+    uint8_t* box = staging + c * kWgradStagingBytes;
+#pragma unroll
+    for (int jj = 0; jj < kWgradBoxCols / 8; ++jj) {
+      const int j = c * (kWgradBoxCols / 8) + jj;
+      const int chunk = 2 * jj + (lane % 4) / 2;
+      float2* lo = reinterpret_cast<float2*>(box + (lane / 4) * 128 + ((chunk ^ (lane / 4)) * 16) + (lane % 2) * 8);
+      float2* hi = lo + 8 * 128 / sizeof(float2);
+      const float2 a = *lo, b = *hi;
+      *lo = make_float2(a.x + res[4 * j], a.y + res[4 * j + 1]);
+      *hi = make_float2(b.x + res[4 * j + 2], b.y + res[4 * j + 3]);
+    }
+    cute::tma_store_fence();
+    __syncwarp();
+    if (lane == 0) {
+      cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, tile_col0 + c * kWgradBoxCols, warp_row0, group);
+      cute::tma_store_arrive();
+    }
+  }
+#pragma unroll
+  for (int i = 4 * kHalf; i < BlockN / 2; ++i) res[i] += old[i];
+  store_fp32_tma<BlockN, Boxes, Boxes>(p, res, group, warp_row0, tile_col0, lane, staging);
 }
 
 // bf16 output through the fprop kernel's staging epilogue; accumulation

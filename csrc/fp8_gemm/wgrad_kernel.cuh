@@ -21,10 +21,12 @@
 //   output alone), so no separate zeroing launch exists.
 // * Math warpgroup 1 runs half a tile (at most kLead K-blocks) behind
 //   warpgroup 0 (below), so their epilogues do not fall on the same cycles.
-// * The fp32 epilogue goes out through TMA stores (reduce-adds when
-//   accumulating) of per-warp 16 x 32 boxes; fresh bf16 through TMA stores
-//   of the warp's whole strip, as fprop's; accumulated bf16 (which reads the
-//   old values) through the per-warp staging tile and 16-byte stores.
+// * The fp32 epilogue goes out through TMA stores of per-warp 16 x 32 boxes
+//   (accumulation first brings the old values in: half by cp.async under
+//   the tile's K-blocks, half by loads at the epilogue); fresh bf16 through
+//   TMA stores of the warp's whole strip, as fprop's; accumulated bf16
+//   (which reads the old values) through the per-warp staging tile and
+//   16-byte stores.
 #pragma once
 
 #include "fp8_gemm/math_warpgroup.cuh"
@@ -94,6 +96,22 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   // release_stage: its warp barrier keeps the compiler from moving the next
   // stage's loads up into this promotion (with the predicated per-lane
   // arrive of the fprop kernel, n192 spilled inside the loop).
+  // The barrier does not wait for those loads, though: ptxas issues the
+  // last column-scale loads (tile columns 128-191 at width 192) right
+  // before the arrive and uses them after it, so a load still queued when
+  // the producer refills the stage reads the next K-block's scales.  With
+  // accumulation's cp.async copies competing for shared memory that
+  // happened (whole columns of a warpgroup off by about one K-block, a
+  // different few every run, stop 54); a CTA fence before the release waits
+  // for the loads and cured it (0 of 24 checks wrong, 3 runs).  The fresh
+  // outputs issue no cp.async and never showed the race (bit-identical
+  // across widths and clusters in every run), so only accumulation takes
+  // the fence.  Still, with this flag and the accumulation code in the same
+  // kernel the fresh bf16 calls measured 3-7 % slower than before (a fence
+  // on every path, the same): an accumulating instantiation of its own
+  // would give them back their code; reading the column scales before the
+  // wgmma wait, as fprop does its row scales, would order them everywhere.
+  const bool fence_scale_reads = p.accumulate && !p.out_bf16;
   auto kblock = [&](int s, int kb) {
     Barrier::wait(&full[s], phase);
     const uint8_t* st = smem + s * L::kStageBytes;
@@ -102,6 +120,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     const float sa0 = sc[row_in_tile], sa1 = sc[row_in_tile + 8];
     kblock_wgmma<BlockN>(sw128_kmajor_desc(st + wg * 64 * kRowBytes), sw128_kmajor_desc(st + L::kABytes), acc);
     promote_outer<BlockN>(res, acc, sa0, sa1, sc + kBlockM + col_in_frag);
+    if (fence_scale_reads) __threadfence_block();
     release_stage<Cluster>(&empty[s], lane);
     if (wg == 0 && kb == lead - 1) cutlass::arch::NamedBarrier::arrive(256, kLeadBarrier);
   };
@@ -111,6 +130,9 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     if (nkb == 0 && p.accumulate) continue;  // nothing to add
     const int n0 = (t.m_block * Cluster + rank) * kBlockM;
     const int k0 = t.n_block * BlockN;
+    if (p.accumulate && !p.out_bf16) {
+      load_old_first_half<BlockN, L::kFp32Boxes>(p, stage_out, t.group, n0 + wg * 64 + w_in_wg * 16, k0, lane);
+    }
 #pragma unroll
     for (int i = 0; i < BlockN / 2; ++i) res[i] = 0.0f;
     lead = min(kLead, nkb / 2);  // kLead above
@@ -132,8 +154,10 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     } else if (p.out_bf16) {
       store_bf16<BlockN>(p, static_cast<__nv_bfloat16*>(p.d) + member, res, warp_row0, k0, lane, stage_out,
                          p.accumulate != 0);
+    } else if (p.accumulate) {
+      accumulate_fp32_tma<BlockN, L::kFp32Boxes>(p, res, acc, t.group, warp_row0, k0, lane, stage_out);
     } else {
-      store_fp32_tma<BlockN, L::kFp32Boxes>(p, res, t.group, warp_row0, k0, lane, stage_out, p.accumulate != 0);
+      store_fp32_tma<BlockN, L::kFp32Boxes>(p, res, t.group, warp_row0, k0, lane, stage_out);
     }
   }
   if (lane == 0) cute::tma_store_wait<0>();  // the last boxes are read before the CTA's memory goes
