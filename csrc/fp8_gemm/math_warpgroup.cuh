@@ -82,7 +82,11 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int lane) {
 // wgmmas (hundreds of cycles) before the arrive, and the producer refills the
 // stage only after every math warp of both CTAs arrived and a TMA load came
 // back from L2.  release_stage (__syncwarp, lane 0 arrives on each CTA)
-// makes the order formal; in the fprop K loop it compiles to the same SASS
+// orders the lanes' reads before lane 0's arrive in the PTX model, but in
+// the SASS the reads may still be in flight when the arrive issues (the
+// wgrad kernel's last column-scale loads were, and read a refilled stage
+// once shared memory was busy: stop 54, wgrad_kernel.cuh); in the fprop K
+// loop it compiles to the same SASS
 // but for lane 0 issuing both arrives, and measured 1-5 % slower at K 2048
 // (tools/fp8_ablation variant `syncrel`, docs/fp8-gemm-kernel-notes.md
 // stop 35).  In the SASS each lane's A-scale loads feed FMULs issued before

@@ -40,9 +40,9 @@ struct WgradParams {
   // accumulating, which reads the old values).
   int out_bf16_tma = 0;
   // A map over d as (K, N, G): fp32 with (32 x 16) boxes and 128-byte
-  // swizzle, through which the epilogue stores; or, with
-  // out_bf16_tma, bf16 with (kStoreBoxCols x 16) boxes and 64-byte swizzle
-  // (the strip of write_bf16_strip).
+  // swizzle, through which the epilogue stores; or, with out_bf16_tma, bf16
+  // with (kStoreBoxCols x 16) boxes and 64-byte swizzle (the strip of
+  // write_bf16_strip).
   CUtensorMap out_map{};
 };
 

@@ -6,8 +6,7 @@
 
 #include <cuda_bf16.h>
 
-#include <cute/arch/copy_sm80.hpp>
-
+#include "cute/arch/copy_sm80.hpp"  // cp.async (accumulation's old values)
 #include "fp8_gemm/math_warpgroup.cuh"
 #include "fp8_gemm/sm90_primitives.cuh"
 #include "fp8_gemm/wgrad.h"
@@ -29,6 +28,7 @@ template <int BlockN, int Boxes, int FirstBox = 0>
 __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float* res, int group, int warp_row0,
                                                int tile_col0, int lane, uint8_t* staging) {
   static_assert((BlockN / kWgradBoxCols) % Boxes == 0, "the box turn restarts with each tile");
+  static_assert(FirstBox % Boxes == 0, "the turn starts at box 0");
   const int r = lane / 4;
 #pragma unroll
   for (int c = FirstBox; c < BlockN / kWgradBoxCols; ++c) {
@@ -62,14 +62,21 @@ __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float
 // epilogue then loads the other half straight into registers (`old`: the
 // accumulator, dead by then), adds the first half in shared memory and
 // stores it, and stores the second half through the fresh-output path
-// (DeepSeek-V3 fc1 at 32 x 512 tokens: 4.10 -> 3.38-3.43 ms, H100).  The
-// K loop fences its stage releases on this path (fence_scale_reads below).
-// One fp32 add per output, as the reduce-add did: the same bits.  cp.async
-// rows: box c holds 16 rows x 128 bytes, 16-byte chunk q of row r at
-// r * 128 + (q ^ r % 8) * 16 (the map's 128-byte swizzle).
+// (DeepSeek-V3 fc1 at 32 x 512 tokens: 4.13 -> 3.43-3.46 ms, H100).  The
+// K loop fences its stage releases on this path (fence_scale_reads,
+// wgrad_kernel.cuh).  One fp32 add per output, as the reduce-add did: the
+// same bits.  cp.async rows: box c holds 16 rows x 128 bytes, 16-byte chunk
+// q of row r at r * 128 + (q ^ r % 8) * 16 (the map's 128-byte swizzle).  A
+// chunk (4 columns) or a float2 is wholly inside or outside the matrix, as
+// run_wgrad takes only K a multiple of 16.  The cp.async group is the only
+// one outstanding between the tile's start and the epilogue's wait, where
+// no bulk-store wait falls: in the SASS both kinds of wait count on one
+// scoreboard, so a bulk-store wait placed in that window would also wait
+// for the copies.
 template <int BlockN, int Boxes>
 __device__ __forceinline__ void load_old_first_half(const WgradParams& p, uint8_t* staging, int group, int warp_row0,
                                                     int tile_col0, int lane) {
+  static_assert(BlockN / kWgradBoxCols == 2 * Boxes, "the first half of the strip fills the staging boxes");
   const float* d = static_cast<const float*>(p.d) + int64_t(group) * p.n_rows * p.k_cols;
   if (lane == 0) cute::tma_store_wait<0>();  // the previous tile's stores have read the boxes
   __syncwarp();
@@ -104,7 +111,9 @@ __device__ __forceinline__ void accumulate_fp32_tma(const WgradParams& p, float*
       const int row = warp_row0 + lane / 4 + 8 * half;
       const int col = col0 + 8 * j;
       float2 v = make_float2(0.0f, 0.0f);
-      if (row < p.n_rows && col < p.k_cols) v = __ldcs(reinterpret_cast<const float2*>(d + int64_t(row) * p.k_cols + col));
+      if (row < p.n_rows && col < p.k_cols) {
+        v = __ldcs(reinterpret_cast<const float2*>(d + int64_t(row) * p.k_cols + col));
+      }
       old[4 * j + 2 * half] = v.x;
       old[4 * j + 2 * half + 1] = v.y;
     }

@@ -103,14 +103,16 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   // accumulation's cp.async copies competing for shared memory that
   // happened (whole columns of a warpgroup off by about one K-block, a
   // different few every run, stop 54); a CTA fence before the release waits
-  // for the loads and cured it (0 of 24 checks wrong, 3 runs).  The fresh
-  // outputs issue no cp.async and never showed the race (bit-identical
-  // across widths and clusters in every run), so only accumulation takes
-  // the fence.  Still, with this flag and the accumulation code in the same
-  // kernel the fresh bf16 calls measured 3-7 % slower than before (a fence
-  // on every path, the same): an accumulating instantiation of its own
-  // would give them back their code; reading the column scales before the
-  // wgmma wait, as fprop does its row scales, would order them everywhere.
+  // for the loads and cured it (0 of 24 checks wrong, 3 runs).  The other
+  // outputs (fresh fp32 or bf16, accumulated bf16) issue no cp.async and
+  // never showed the race (bit-identical across widths and clusters in
+  // every run), so only fp32 accumulation takes the fence: the others rest
+  // on timing, as before.  Still, with this flag and the accumulation code
+  // in the same kernel the fresh bf16 calls measured 3-7 % slower than
+  // before (a fence on every path, the same): an accumulating instantiation
+  // of its own would give them back their code; reading the column scales
+  // before the wgmma wait, as fprop does its row scales, would order them
+  // on every path.
   const bool fence_scale_reads = p.accumulate && !p.out_bf16;
   auto kblock = [&](int s, int kb) {
     Barrier::wait(&full[s], phase);
