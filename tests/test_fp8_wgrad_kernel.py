@@ -145,9 +145,9 @@ def test_gpu_wgrad_accumulation_is_one_fp32_add_bitwise(config):
     moved a few whole columns by ~1e-1 relative, every run somewhere else);
     this one fails on a single wrong bit.  Three calls, since a race may
     miss one.  (Its first shape is close to the one that went wrong in all
-    16 unfenced width-192 cluster-1 runs of stop 54's probe; the test itself
-    was written after the fence and has not run against the unfenced
-    build.)"""
+    16 unfenced width-192 cluster-1 runs of stop 54's probe; the test was
+    written after that fix, and has passed on the H100 with the one that
+    replaced it, the release one K-block later.)"""
     for splits, n, k in (([7, 0, 4096], 4096, 7168), ([512] * 32, 256, 2080)):
         dyg, xg, _, _ = _case(splits, n, k, seed=len(splits))
         with fp8_wgrad_kernel_config(*config):

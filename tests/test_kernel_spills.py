@@ -28,8 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Bytes of spill stores / loads per thread a configuration may report.
 MAX_SPILL_BYTES = 0
 
-FPROP = [(w, c) for w in (128, 160, 192) for c in (1, 2)]
-WGRAD = [(w, c) for w in (128, 192) for c in (1, 2)]
+# (kind, width, cluster, variant): the wgrad kernel has a main_grad
+# (fp32 accumulate) instantiation beside the one every other output runs.
+JOBS = ([("fprop", w, c, "") for w in (128, 160, 192) for c in (1, 2)] +
+        [("wgrad", w, c, v) for w in (128, 192) for c in (1, 2) for v in ("false", "true")])
 
 
 def _nvcc():
@@ -57,16 +59,16 @@ SOURCES = {
               "template cudaError_t launch_block_scaled<WIDTH, CLUSTER>(const CUtensorMap&, const CUtensorMap&, "
               "const CUtensorMap&, const BlockScaledParams&, int, cudaStream_t);\n} }\n"),
     "wgrad": ('#include "fp8_gemm/wgrad_launch.cuh"\nnamespace lpmoe { namespace fp8_gemm {\n'
-              "template cudaError_t launch_wgrad<WIDTH, CLUSTER>(const WgradParams&, int, cudaStream_t);\n} }\n"),
+              "template cudaError_t launch_wgrad<WIDTH, CLUSTER, VARIANT>(const WgradParams&, int, cudaStream_t);\n} }\n"),
 }
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def ptxas_spills(kind, width, cluster, tmp):
+def ptxas_spills(kind, width, cluster, variant, tmp):
     """(spill store bytes, spill load bytes) of one kernel configuration."""
-    src = os.path.join(tmp, f"{kind}_{width}_{cluster}.cu")
+    src = os.path.join(tmp, f"{kind}_{width}_{cluster}{variant}.cu")
     with open(src, "w") as f:
-        f.write(SOURCES[kind].replace("WIDTH", str(width)).replace("CLUSTER", str(cluster)))
+        f.write(SOURCES[kind].replace("WIDTH", str(width)).replace("CLUSTER", str(cluster)).replace("VARIANT", variant))
     # The code-generation flags of setup.py that change what ptxas sees.
     cmd = [NVCC, "-O3", "-std=c++20", "-DNDEBUG", "-diag-suppress=2908", "--expt-relaxed-constexpr",
            "-prec-div=true", "-ftz=false", "-gencode", "arch=compute_90a,code=sm_90a",
@@ -81,14 +83,13 @@ def ptxas_spills(kind, width, cluster, tmp):
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("spills"))
-    jobs = [("fprop", w, c) for w, c in FPROP] + [("wgrad", w, c) for w, c in WGRAD]
+    jobs = JOBS
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         futures = {job: pool.submit(ptxas_spills, *job, tmp) for job in jobs}
         return {job: f.result() for job, f in futures.items()}
 
 
-@pytest.mark.parametrize("job", [("fprop", w, c) for w, c in FPROP] + [("wgrad", w, c) for w, c in WGRAD],
-                         ids=lambda j: f"{j[0]}-n{j[1]}c{j[2]}")
+@pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{j[0]}-n{j[1]}c{j[2]}" + ("-fp32acc" if j[3] == "true" else ""))
 def test_fp8_gemm_kernel_spills_stay_small(reports, job):
     stores, loads = reports[job]
     assert stores <= MAX_SPILL_BYTES and loads <= MAX_SPILL_BYTES, (

@@ -32,11 +32,14 @@ struct RegSplit {
 constexpr RegSplit kFpropRegs{40, 232};
 constexpr RegSplit kWgradRegs{56, 224};
 
-// acc = A(64 x 128) B(N x 128)^T of one K-block (four 32-deep wgmmas on the
-// stage's swizzled tiles), waited for; the fences keep the compiler from
-// touching acc while the tensor cores own it.
+// acc = A(64 x 128) B(N x 128)^T of one K-block: four 32-deep wgmmas on the
+// stage's swizzled tiles, issued (kblock_wgmma_issue) and waited for
+// (kblock_wgmma_wait); the fences keep the compiler from touching acc while
+// the tensor cores own it.  Issue overwrites acc, so every instruction that
+// read acc before it has issued, in program order, when it returns (the
+// wgrad K loop's stage release rests on that).
 template <int N>
-__device__ __forceinline__ void kblock_wgmma(uint64_t da, uint64_t db, float* acc) {
+__device__ __forceinline__ void kblock_wgmma_issue(uint64_t da, uint64_t db, float* acc) {
 #if LPMOE_SM90A_DEVICE
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -48,10 +51,22 @@ __device__ __forceinline__ void kblock_wgmma(uint64_t da, uint64_t db, float* ac
   cute::warpgroup_commit_batch();
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void kblock_wgmma_wait(float* acc) {
+#if LPMOE_SM90A_DEVICE
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
 #endif
+}
+
+template <int N>
+__device__ __forceinline__ void kblock_wgmma(uint64_t da, uint64_t db, float* acc) {
+  kblock_wgmma_issue<N>(da, db, acc);
+  kblock_wgmma_wait<N>(acc);
 }
 
 // This warp is done with a stage: one arrive on the stage's empty barrier in

@@ -16,9 +16,16 @@ bool wgrad_fits(int num_groups) {
   return num_groups >= 1 && num_groups <= WgradLayout<BlockN>::max_groups();
 }
 
+template <int BlockN, bool Fp32Accumulate>
+cudaError_t launch_cluster(int cluster, const WgradParams& p, int grid, cudaStream_t stream) {
+  return cluster == 2 ? launch_wgrad<BlockN, 2, Fp32Accumulate>(p, grid, stream)
+                      : launch_wgrad<BlockN, 1, Fp32Accumulate>(p, grid, stream);
+}
+
 template <int BlockN>
 cudaError_t launch_width(int cluster, const WgradParams& p, int grid, cudaStream_t stream) {
-  return cluster == 2 ? launch_wgrad<BlockN, 2>(p, grid, stream) : launch_wgrad<BlockN, 1>(p, grid, stream);
+  return p.accumulate && !p.out_bf16 ? launch_cluster<BlockN, true>(cluster, p, grid, stream)
+                                     : launch_cluster<BlockN, false>(cluster, p, grid, stream);
 }
 
 }  // namespace

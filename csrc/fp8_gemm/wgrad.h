@@ -94,7 +94,9 @@ constexpr int kWgradBlockNs[] = {128, 192};
 // inside it).
 inline size_t wgrad_map_bytes(int num_groups) { return 128 + 2 * size_t(num_groups) * sizeof(CUtensorMap); }
 
-template <int BlockN, int Cluster>
+// Fp32Accumulate: the fp32-output, beta = 1 (main_grad) kernel; every other
+// output runs the other one.
+template <int BlockN, int Cluster, bool Fp32Accumulate>
 cudaError_t launch_wgrad(const WgradParams& p, int grid, cudaStream_t stream);
 
 // Writes the per-member maps of `p` from the two templates (whose box,

@@ -62,9 +62,9 @@ __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float
 // epilogue then loads the other half straight into registers (`old`: the
 // accumulator, dead by then), adds the first half in shared memory and
 // stores it, and stores the second half through the fresh-output path
-// (DeepSeek-V3 fc1 at 32 x 512 tokens: 4.13 -> 3.43-3.46 ms, H100).  The
-// K loop fences its stage releases on this path (fence_scale_reads,
-// wgrad_kernel.cuh).  One fp32 add per output, as the reduce-add did: the
+// (DeepSeek-V3 fc1 at 32 x 512 tokens: 4.13 -> 3.43-3.46 ms, H100).  These
+// copies are what exposed the K loop's stage-release race (wgrad_kernel.cuh,
+// its kblock).  One fp32 add per output, as the reduce-add did: the
 // same bits.  cp.async rows: box c holds 16 rows x 128 bytes, 16-byte chunk
 // q of row r at r * 128 + (q ^ r % 8) * 16 (the map's 128-byte swizzle).  A
 // chunk (4 columns) or a float2 is wholly inside or outside the matrix, as

@@ -15,7 +15,8 @@
 // * Both scale vectors of a K-block (128 row scales of dy, BlockN column
 //   scales of x) are contiguous runs, bulk-copied into the stage with the
 //   tiles; the math warps read their two row scales before the wgmmas and
-//   the column scales in the promotion after them, then release the stage.
+//   the column scales in the promotion after them, and release the stage
+//   once the next K-block's wgmmas are issued.
 // * Every member has the same tiles, with a member-dependent number of
 //   K-blocks; an empty member's tiles store zeros (or leave an accumulated
 //   output alone), so no separate zeroing launch exists.
@@ -70,7 +71,12 @@ __device__ __forceinline__ void promote_outer(float* res, const float* acc, floa
 constexpr int kLead = 2;
 constexpr int kLeadBarrier = 1;  // NamedBarrier's id (CUTLASS offsets it past its reserved ids)
 
-template <int BlockN, int Cluster>
+// Fp32Accumulate: the instantiation for fp32 output added to the old values
+// (main_grad), the one epilogue that reads the output under the K loop;
+// every other output shares the other instantiation, which carries none of
+// that code (with both in one kernel behind a runtime flag, fresh bf16
+// calls measured 3-7 % slower, stop 54).
+template <int BlockN, int Cluster, bool Fp32Accumulate>
 __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTileOrder<kBandRowTiles / Cluster>& order,
                                            const int* first_block, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                            int rank, int first_tile, int tile_step, int total) {
@@ -91,39 +97,38 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   constexpr int kStages = L::kStages;
   uint32_t phase = 0;  // of the full barriers, flipped once per ring turn
   int lead = 0;        // this tile's K-blocks between the warpgroups (kLead above)
-  // One K-block on stage s (a compile-time index once unrolled).  The stage
-  // goes back after the promotion, which reads its column scales, through
-  // release_stage: its warp barrier keeps the compiler from moving the next
-  // stage's loads up into this promotion (with the predicated per-lane
-  // arrive of the fprop kernel, n192 spilled inside the loop).
-  // The barrier does not wait for those loads, though: ptxas issues the
-  // last column-scale loads (tile columns 128-191 at width 192) right
-  // before the arrive and uses them after it, so a load still queued when
-  // the producer refills the stage reads the next K-block's scales.  With
-  // accumulation's cp.async copies competing for shared memory that
-  // happened (whole columns of a warpgroup off by about one K-block, a
-  // different few every run, stop 54); a CTA fence before the release waits
-  // for the loads and cured it (0 of 24 checks wrong, 3 runs).  The other
-  // outputs (fresh fp32 or bf16, accumulated bf16) issue no cp.async and
-  // never showed the race (bit-identical across widths and clusters in
-  // every run), so only fp32 accumulation takes the fence: the others rest
-  // on timing, as before.  Still, with this flag and the accumulation code
-  // in the same kernel the fresh bf16 calls measured 3-7 % slower than
-  // before (a fence on every path, the same): an accumulating instantiation
-  // of its own would give them back their code; reading the column scales
-  // before the wgmma wait, as fprop does its row scales, would order them
-  // on every path.
-  const bool fence_scale_reads = p.accumulate && !p.out_bf16;
+  // One K-block on stage s (a compile-time index once unrolled).  A stage
+  // may go back only once every shared-memory read of it has returned.  The
+  // wgmmas' reads end at their wait and the row scales are read before them,
+  // but the column scales are read in the promotion after them, and ptxas
+  // issued the last of those loads (tile columns 128-191 at width 192) right
+  // before an arrive placed after the promotion, using them after it.  An
+  // arrive does not wait for loads in flight: with accumulation's cp.async
+  // copies competing for shared memory, a load still queued when the
+  // producer refilled the stage read the next K-block's scales (whole
+  // columns of a warpgroup off by about one K-block, a different few every
+  // run; stop 54, fenced on that path only at first).  So a stage goes back
+  // one K-block later, once the next K-block's wgmmas are issued: they
+  // overwrite `acc`, which every promotion FFMA reads beside a product of
+  // the loaded scales, so in-order issue has put every scale load of the
+  // stage behind us, on every path, without a fence.  The tile's last
+  // K-block has no successor in the tile; its stage goes back after the
+  // walk, behind a CTA fence (once per tile; a fence per K-block cost long
+  // members 5-10 %, and releasing it from inside `kblock` under a runtime
+  // test spilled the accumulating width-192 kernel).  release_stage's warp
+  // barrier keeps the compiler from moving the next stage's loads up into
+  // the promotion (with the predicated per-lane arrive of the fprop kernel,
+  // n192 spilled inside the loop).
   auto kblock = [&](int s, int kb) {
     Barrier::wait(&full[s], phase);
     const uint8_t* st = smem + s * L::kStageBytes;
     const float* sc = reinterpret_cast<const float*>(smem + L::kScaleOffset + s * L::kScaleStageBytes);
     // Row scales past N are stale and their rows dropped; likewise columns.
     const float sa0 = sc[row_in_tile], sa1 = sc[row_in_tile + 8];
-    kblock_wgmma<BlockN>(sw128_kmajor_desc(st + wg * 64 * kRowBytes), sw128_kmajor_desc(st + L::kABytes), acc);
+    kblock_wgmma_issue<BlockN>(sw128_kmajor_desc(st + wg * 64 * kRowBytes), sw128_kmajor_desc(st + L::kABytes), acc);
+    if (kb > 0) release_stage<Cluster>(&empty[(s + kStages - 1) % kStages], lane);
+    kblock_wgmma_wait<BlockN>(acc);
     promote_outer<BlockN>(res, acc, sa0, sa1, sc + kBlockM + col_in_frag);
-    if (fence_scale_reads) __threadfence_block();
-    release_stage<Cluster>(&empty[s], lane);
     if (wg == 0 && kb == lead - 1) cutlass::arch::NamedBarrier::arrive(256, kLeadBarrier);
   };
   for (int tile = first_tile; tile < total; tile += tile_step) {
@@ -132,7 +137,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     if (nkb == 0 && p.accumulate) continue;  // nothing to add
     const int n0 = (t.m_block * Cluster + rank) * kBlockM;
     const int k0 = t.n_block * BlockN;
-    if (p.accumulate && !p.out_bf16) {
+    if constexpr (Fp32Accumulate) {
       load_old_first_half<BlockN, L::kFp32Boxes>(p, stage_out, t.group, n0 + wg * 64 + w_in_wg * 16, k0, lane);
     }
 #pragma unroll
@@ -148,16 +153,20 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
       Barrier::wait(&full[s], phase);
       release_stage<Cluster>(&empty[s], lane);
     });
+    if (nkb > 0) {  // the last K-block's stage (kblock's comment)
+      __threadfence_block();
+      release_stage<Cluster>(&empty[(nkb - 1) % kStages], lane);
+    }
 
     const int64_t member = int64_t(t.group) * p.n_rows * p.k_cols;
     const int warp_row0 = n0 + wg * 64 + w_in_wg * 16;
-    if (p.out_bf16_tma) {
+    if constexpr (Fp32Accumulate) {
+      accumulate_fp32_tma<BlockN, L::kFp32Boxes>(p, res, acc, t.group, warp_row0, k0, lane, stage_out);
+    } else if (p.out_bf16_tma) {
       store_bf16_tma<BlockN>(p, res, t.group, warp_row0, k0, lane, stage_out);
     } else if (p.out_bf16) {
       store_bf16<BlockN>(p, static_cast<__nv_bfloat16*>(p.d) + member, res, warp_row0, k0, lane, stage_out,
                          p.accumulate != 0);
-    } else if (p.accumulate) {
-      accumulate_fp32_tma<BlockN, L::kFp32Boxes>(p, res, acc, t.group, warp_row0, k0, lane, stage_out);
     } else {
       store_fp32_tma<BlockN, L::kFp32Boxes>(p, res, t.group, warp_row0, k0, lane, stage_out);
     }
@@ -166,7 +175,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
 #endif
 }
 
-template <int BlockN, int Cluster>
+template <int BlockN, int Cluster, bool Fp32Accumulate>
 __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_constant__ WgradParams p) {
 #if LPMOE_SM90A_DEVICE
   using L = WgradLayout<BlockN>;
@@ -257,7 +266,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
       }
     }
   } else {
-    wgrad_math<BlockN, Cluster>(p, order, first_block, smem, full, empty, rank, first_tile, tile_step, total);
+    wgrad_math<BlockN, Cluster, Fp32Accumulate>(p, order, first_block, smem, full, empty, rank, first_tile, tile_step, total);
   }
   if constexpr (Cluster > 1) cute::cluster_sync();
 #else

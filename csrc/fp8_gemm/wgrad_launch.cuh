@@ -1,5 +1,6 @@
 // Launcher template of the wgrad kernel; wgrad_n<N>.cu instantiate it once
-// per tile width (compile time stays per file).
+// per tile width and wgrad_n<N>_fp32_accumulate.cu the main_grad kernels
+// (compile time stays per file, and the two build in parallel).
 #pragma once
 
 #include "fp8_gemm/cluster_launch.h"
@@ -8,15 +9,15 @@
 namespace lpmoe {
 namespace fp8_gemm {
 
-template <int BlockN, int Cluster>
+template <int BlockN, int Cluster, bool Fp32Accumulate>
 cudaError_t launch_wgrad(const WgradParams& p, int grid, cudaStream_t stream) {
-  return launch_cluster_kernel(fp8_block_wgrad_kernel<BlockN, Cluster>, grid, Cluster,
+  return launch_cluster_kernel(fp8_block_wgrad_kernel<BlockN, Cluster, Fp32Accumulate>, grid, Cluster,
                                WgradLayout<BlockN>::smem_bytes(p.num_groups), stream, p);
 }
 
-#define LPMOE_INSTANTIATE_WGRAD(N)                                                       \
-  template cudaError_t launch_wgrad<N, 1>(const WgradParams&, int, cudaStream_t);      \
-  template cudaError_t launch_wgrad<N, 2>(const WgradParams&, int, cudaStream_t);
+#define LPMOE_INSTANTIATE_WGRAD(N, FP32_ACCUMULATE)                                               \
+  template cudaError_t launch_wgrad<N, 1, FP32_ACCUMULATE>(const WgradParams&, int, cudaStream_t); \
+  template cudaError_t launch_wgrad<N, 2, FP32_ACCUMULATE>(const WgradParams&, int, cudaStream_t);
 
 }  // namespace fp8_gemm
 }  // namespace lpmoe

@@ -2,6 +2,6 @@
 
 namespace lpmoe {
 namespace fp8_gemm {
-LPMOE_INSTANTIATE_WGRAD(128)
+LPMOE_INSTANTIATE_WGRAD(128, false)
 }  // namespace fp8_gemm
 }  // namespace lpmoe

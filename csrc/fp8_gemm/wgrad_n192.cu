@@ -2,6 +2,6 @@
 
 namespace lpmoe {
 namespace fp8_gemm {
-LPMOE_INSTANTIATE_WGRAD(192)
+LPMOE_INSTANTIATE_WGRAD(192, false)
 }  // namespace fp8_gemm
 }  // namespace lpmoe

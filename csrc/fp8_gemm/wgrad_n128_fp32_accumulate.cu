@@ -1,0 +1,7 @@
+#include "fp8_gemm/wgrad_launch.cuh"
+
+namespace lpmoe {
+namespace fp8_gemm {
+LPMOE_INSTANTIATE_WGRAD(128, true)
+}  // namespace fp8_gemm
+}  // namespace lpmoe
