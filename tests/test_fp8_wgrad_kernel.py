@@ -206,6 +206,34 @@ def test_gpu_wgrad_group_count_limits():
             lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped")
 
 
+@requires_cuda
+def test_gpu_wgrad_main_grad_kernels_group_limit():
+    """The main_grad (fp32 accumulate) kernels stage a warp's whole fp32
+    strip, which leaves their width-192 member table 1587 groups (3311 for
+    the others): at 1600 groups fresh output still runs width 192,
+    accumulation takes width 128 and adds exactly the fresh result, and
+    pinning width 192 for it is refused clearly."""
+    n, k, g = 128, 384, 1600
+    splits = [0] * g
+    for t in range(0, g, g // 7):
+        splits[t] = 3 + t % 130
+    dyg, xg, _, _ = _case(splits, n, k, seed=g)
+    k192, k128 = fp8_kernel_key(192, 1, kind="wgrad"), fp8_kernel_key(128, 1, kind="wgrad")
+    before = CALLS.get(k192, 0)
+    fresh = lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped")
+    assert CALLS[k192] == before + 1
+    old = torch.randn(g, n, k, device="cuda")
+    d = old.clone()
+    before = CALLS.get(k128, 0)
+    lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=d, accumulate=True, backend="grouped")
+    assert CALLS[k128] == before + 1
+    assert torch.equal(d, old + fresh)
+    with pytest.raises(ValueError, match=r"wgrad kernel config \(width 192, cluster 1\) does not exist in this build "
+                                         r"for 1600 groups"):
+        with fp8_wgrad_kernel_config(192, 1):
+            lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=old.clone(), accumulate=True, backend="grouped")
+
+
 def test_wgrad_heuristic_choices():
     from lpmoe._ext import ext
     # cluster 1 everywhere (ahead of cluster 2 on 8-group shapes, within noise elsewhere);

@@ -11,9 +11,11 @@ namespace fp8_gemm {
 
 namespace {
 
+// The main_grad kernels' member table has less room (their staging is larger).
 template <int BlockN>
-bool wgrad_fits(int num_groups) {
-  return num_groups >= 1 && num_groups <= WgradLayout<BlockN>::max_groups();
+bool wgrad_fits(int num_groups, bool fp32_accumulate) {
+  const int limit = fp32_accumulate ? WgradLayout<BlockN, true>::max_groups() : WgradLayout<BlockN>::max_groups();
+  return num_groups >= 1 && num_groups <= limit;
 }
 
 template <int BlockN, bool Fp32Accumulate>
@@ -30,12 +32,12 @@ cudaError_t launch_width(int cluster, const WgradParams& p, int grid, cudaStream
 
 }  // namespace
 
-bool wgrad_supports(BlockScaledConfig cfg, int num_groups) {
+bool wgrad_supports(BlockScaledConfig cfg, int num_groups, bool fp32_accumulate) {
   if (cfg.cluster != 0 && cfg.cluster != 1 && cfg.cluster != 2) return false;
   switch (cfg.block_n) {
-    case 0: return wgrad_fits<128>(num_groups) && wgrad_fits<192>(num_groups);
-    case 128: return wgrad_fits<128>(num_groups);
-    case 192: return wgrad_fits<192>(num_groups);
+    case 0: return wgrad_fits<128>(num_groups, fp32_accumulate) && wgrad_fits<192>(num_groups, fp32_accumulate);
+    case 128: return wgrad_fits<128>(num_groups, fp32_accumulate);
+    case 192: return wgrad_fits<192>(num_groups, fp32_accumulate);
     default: return false;
   }
 }
@@ -46,13 +48,14 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   if (bf16_tma_store != nullptr) *bf16_tma_store = false;
   if (args.kind != gemm::GemmKind::kWgrad || (args.beta != 0.0f && args.beta != 1.0f)) return cudaErrorNotSupported;
   const int g = args.num_groups;
+  const bool fp32_accumulate = args.beta != 0.0f && !args.wgrad_bf16;  // the main_grad kernels
   const BlockScaledConfig pick = choose_wgrad_config(args.k);
   if (cfg.cluster == 0) cfg.cluster = pick.cluster;
   if (cfg.block_n == 0) {  // the heuristic's width, else the one whose member table fits
     cfg.block_n = pick.block_n;
-    if (!wgrad_supports(cfg, g)) cfg.block_n = pick.block_n == 128 ? 192 : 128;
+    if (!wgrad_supports(cfg, g, fp32_accumulate)) cfg.block_n = pick.block_n == 128 ? 192 : 128;
   }
-  if (!wgrad_supports(cfg, g)) return cudaErrorNotSupported;
+  if (!wgrad_supports(cfg, g, fp32_accumulate)) return cudaErrorNotSupported;
   if (args.n > INT_MAX || args.k > INT_MAX || args.n % 16 != 0 || args.k % 16 != 0) return cudaErrorNotSupported;
   const int64_t m_tiles = (args.n + kBlockM * cfg.cluster - 1) / (kBlockM * cfg.cluster);
   const int64_t n_tiles = (args.k + cfg.block_n - 1) / cfg.block_n;

@@ -51,7 +51,11 @@ constexpr int kWgradBoxCols = 32;
 constexpr int kWgradStagingBytes = 16 * kWgradBoxCols * 4;
 static_assert(kWgradStagingBytes >= kEpilogueWarpBytes, "the bf16 staging tile fits the same buffer");
 
-template <int BlockN>
+// Fp32Strip (the main_grad kernels): each math warp's staging holds its
+// whole 16 x BlockN fp32 strip, so every old value of a tile can be copied in
+// under the tile's K-blocks (wgrad_epilogues.cuh), at the price of one
+// pipeline stage (3 at width 192, 4 at 128).
+template <int BlockN, bool Fp32Strip = false>
 struct WgradLayout {
   static_assert(BlockN % 16 == 0 && BlockN <= 256, "wgmma N");
   static constexpr int kABytes = kBlockM * kRowBytes;
@@ -67,9 +71,10 @@ struct WgradLayout {
   // math warps' time there, docs/fp8-wgrad-kernel-notes.md stop 52); the
   // fp32 path's 2 KB boxes and the staged bf16 path use the same area.
   static constexpr int kWarpEpilogueBytes =
-      16 * BlockN * 2 > kWgradStagingBytes ? 16 * BlockN * 2 : kWgradStagingBytes;
+      Fp32Strip ? 16 * BlockN * 4 : (16 * BlockN * 2 > kWgradStagingBytes ? 16 * BlockN * 2 : kWgradStagingBytes);
   static_assert(kWarpEpilogueBytes % 1024 == 0, "swizzled boxes need 1 KB alignment");
-  // fp32 boxes the staging area holds, used in turn (3 at width 192, 2 at 128).
+  // fp32 boxes the staging area holds, used in turn (3 at width 192, 2 at
+  // 128; with Fp32Strip the strip's 6 / 4).
   static constexpr int kFp32Boxes = kWarpEpilogueBytes / kWgradStagingBytes;
   static constexpr int kEpilogueBytes = 8 * kWarpEpilogueBytes;
   // Reserve 1 KB alignment slack, the staging and 2 KB for the barriers and
@@ -105,7 +110,9 @@ cudaError_t launch_wgrad(const WgradParams& p, int grid, cudaStream_t stream);
 cudaError_t launch_wgrad_maps(const CUtensorMap& a_template, const CUtensorMap& b_template, const void* a,
                               const void* b, const WgradParams& p, cudaStream_t stream);
 
-bool wgrad_supports(BlockScaledConfig cfg, int num_groups);
+// Whether the kernels of `cfg` run `num_groups` members (their member table
+// fits); fp32_accumulate: the main_grad kernels (fp32 output, beta = 1).
+bool wgrad_supports(BlockScaledConfig cfg, int num_groups, bool fp32_accumulate);
 
 // wgrad with the given configuration (zeros: the heuristic's choice, or the
 // other width when the chosen one's member table does not fit);

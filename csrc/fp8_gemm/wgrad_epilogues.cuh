@@ -21,17 +21,14 @@ namespace fp8_gemm {
 // boxes drain.  The warp's staging area holds Boxes boxes used in turn, so a
 // box is rewritten only once the store issued from it Boxes stores ago has
 // read it (BlockN / 32 is a multiple of Boxes, so the turn restarts with
-// every tile).  The map clips rows past N and columns past K.  FirstBox > 0
-// stores only the strip's boxes from there on (accumulation's second half,
-// after FirstBox = Boxes stores of its own).
-template <int BlockN, int Boxes, int FirstBox = 0>
+// every tile).  The map clips rows past N and columns past K.
+template <int BlockN, int Boxes>
 __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float* res, int group, int warp_row0,
                                                int tile_col0, int lane, uint8_t* staging) {
   static_assert((BlockN / kWgradBoxCols) % Boxes == 0, "the box turn restarts with each tile");
-  static_assert(FirstBox % Boxes == 0, "the turn starts at box 0");
   const int r = lane / 4;
 #pragma unroll
-  for (int c = FirstBox; c < BlockN / kWgradBoxCols; ++c) {
+  for (int c = 0; c < BlockN / kWgradBoxCols; ++c) {
     uint8_t* box = staging + (c % Boxes) * kWgradStagingBytes;
     if (lane == 0) cute::tma_store_wait<Boxes - 1>();
     __syncwarp();
@@ -56,27 +53,28 @@ __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float
 // bound by the (G, N, K) read-modify-write, and what limits it is the bytes
 // in flight: bulk reduce-adds (the add in L2), or all old values loaded at
 // the epilogue, drew 60-66 % of the DRAM bandwidth (docs/fp8-wgrad-kernel-
-// notes.md, stop 54).  Here the old values of the strip's first Boxes boxes
-// come into the staging boxes by cp.async when the tile starts
-// (load_old_first_half), so they stream under the tile's K-blocks; the
-// epilogue then loads the other half straight into registers (`old`: the
-// accumulator, dead by then), adds the first half in shared memory and
-// stores it, and stores the second half through the fresh-output path
-// (DeepSeek-V3 fc1 at 32 x 512 tokens: 4.13 -> 3.43-3.46 ms, H100).  These
-// copies are what exposed the K loop's stage-release race (wgrad_kernel.cuh,
-// its kblock).  One fp32 add per output, as the reduce-add did: the
-// same bits.  cp.async rows: box c holds 16 rows x 128 bytes, 16-byte chunk
-// q of row r at r * 128 + (q ^ r % 8) * 16 (the map's 128-byte swizzle).  A
-// chunk (4 columns) or a float2 is wholly inside or outside the matrix, as
-// run_wgrad takes only K a multiple of 16.  The cp.async group is the only
-// one outstanding between the tile's start and the epilogue's wait, where
-// no bulk-store wait falls: in the SASS both kinds of wait count on one
-// scoreboard, so a bulk-store wait placed in that window would also wait
-// for the copies.
+// notes.md, stop 54).  So the old values come in by cp.async when the tile
+// starts (load_old_values), into the warp's staging, which in the main_grad
+// kernels holds its whole fp32 strip (WgradLayout's Fp32Strip), and stream
+// under the tile's K-blocks; the epilogue adds the results in shared memory
+// and stores box by box (accumulate_fp32_tma).  DeepSeek-V3 fc1 at 32 x 512
+// tokens, H100: 4.13 ms with reduce-adds, 3.43-3.46 with half the strip
+// staged and half loaded at the epilogue (stop 54), 3.37-3.43 whole (stop
+// 55; 2.83-2.86 against 3.21 at 128 tokens, where a tile is one K-block).
+// These copies are what exposed the K loop's stage-release race
+// (wgrad_kernel.cuh, its kblock).  One fp32 add per output, as the
+// reduce-add did: the same bits.  cp.async rows: box c holds 16 rows x 128
+// bytes, 16-byte chunk q of row r at r * 128 + (q ^ r % 8) * 16 (the map's
+// 128-byte swizzle).  A chunk (4 columns) is wholly inside or outside the
+// matrix, as run_wgrad takes only K a multiple of 16.  The cp.async group is
+// the only one outstanding between the tile's start and the epilogue's
+// wait, where no bulk-store wait falls: in the SASS both kinds of wait count
+// on one scoreboard, so a bulk-store wait placed in that window would also
+// wait for the copies.
 template <int BlockN, int Boxes>
-__device__ __forceinline__ void load_old_first_half(const WgradParams& p, uint8_t* staging, int group, int warp_row0,
-                                                    int tile_col0, int lane) {
-  static_assert(BlockN / kWgradBoxCols == 2 * Boxes, "the first half of the strip fills the staging boxes");
+__device__ __forceinline__ void load_old_values(const WgradParams& p, uint8_t* staging, int group, int warp_row0,
+                                                int tile_col0, int lane) {
+  static_assert(Boxes == BlockN / kWgradBoxCols, "the staging holds the whole strip");
   const float* d = static_cast<const float*>(p.d) + int64_t(group) * p.n_rows * p.k_cols;
   if (lane == 0) cute::tma_store_wait<0>();  // the previous tile's stores have read the boxes
   __syncwarp();
@@ -97,27 +95,9 @@ __device__ __forceinline__ void load_old_first_half(const WgradParams& p, uint8_
 }
 
 template <int BlockN, int Boxes>
-__device__ __forceinline__ void accumulate_fp32_tma(const WgradParams& p, float* res, float* old, int group,
-                                                    int warp_row0, int tile_col0, int lane, uint8_t* staging) {
-  constexpr int kBoxes = BlockN / kWgradBoxCols;
-  static_assert(kBoxes == 2 * Boxes, "half the strip in the staging boxes, half in registers");
-  constexpr int kHalf = Boxes * kWgradBoxCols / 8;  // fragment columns j of the first half
-  const float* d = static_cast<const float*>(p.d) + int64_t(group) * p.n_rows * p.k_cols;
-  const int col0 = tile_col0 + 2 * (lane % 4);
-#pragma unroll
-  for (int j = kHalf; j < BlockN / 8; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + lane / 4 + 8 * half;
-      const int col = col0 + 8 * j;
-      float2 v = make_float2(0.0f, 0.0f);
-      if (row < p.n_rows && col < p.k_cols) {
-        v = __ldcs(reinterpret_cast<const float2*>(d + int64_t(row) * p.k_cols + col));
-      }
-      old[4 * j + 2 * half] = v.x;
-      old[4 * j + 2 * half + 1] = v.y;
-    }
-  }
+__device__ __forceinline__ void accumulate_fp32_tma(const WgradParams& p, const float* res, int group, int warp_row0,
+                                                    int tile_col0, int lane, uint8_t* staging) {
+  static_assert(Boxes == BlockN / kWgradBoxCols, "the staging holds the whole strip");
   cute::cp_async_wait<0>();
   __syncwarp();  // every lane's chunks have landed
 #pragma unroll
@@ -140,9 +120,6 @@ __device__ __forceinline__ void accumulate_fp32_tma(const WgradParams& p, float*
       cute::tma_store_arrive();
     }
   }
-#pragma unroll
-  for (int i = 4 * kHalf; i < BlockN / 2; ++i) res[i] += old[i];
-  store_fp32_tma<BlockN, Boxes, Boxes>(p, res, group, warp_row0, tile_col0, lane, staging);
 }
 
 // bf16 output through the fprop kernel's staging epilogue; accumulation

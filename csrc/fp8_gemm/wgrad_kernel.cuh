@@ -23,8 +23,9 @@
 // * Math warpgroup 1 runs half a tile (at most kLead K-blocks) behind
 //   warpgroup 0 (below), so their epilogues do not fall on the same cycles.
 // * The fp32 epilogue goes out through TMA stores of per-warp 16 x 32 boxes
-//   (accumulation first brings the old values in: half by cp.async under
-//   the tile's K-blocks, half by loads at the epilogue); fresh bf16 through
+//   (accumulation first brings the old values in, by cp.async under the
+//   tile's K-blocks, into a staging area that holds the warp's whole strip,
+//   in the main_grad instantiation below); fresh bf16 through
 //   TMA stores of the warp's whole strip, as fprop's; accumulated bf16
 //   (which reads the old values) through the per-warp staging tile and
 //   16-byte stores.
@@ -72,16 +73,17 @@ constexpr int kLead = 2;
 constexpr int kLeadBarrier = 1;  // NamedBarrier's id (CUTLASS offsets it past its reserved ids)
 
 // Fp32Accumulate: the instantiation for fp32 output added to the old values
-// (main_grad), the one epilogue that reads the output under the K loop;
-// every other output shares the other instantiation, which carries none of
-// that code (with both in one kernel behind a runtime flag, fresh bf16
-// calls measured 3-7 % slower, stop 54).
+// (main_grad), the one epilogue that reads the output under the K loop, with
+// its own shared-memory plan (WgradLayout's Fp32Strip: staging for the whole
+// strip, one stage fewer); every other output shares the other
+// instantiation, which carries none of that code (with both in one kernel
+// behind a runtime flag, fresh bf16 calls measured 3-7 % slower, stop 54).
 template <int BlockN, int Cluster, bool Fp32Accumulate>
 __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTileOrder<kBandRowTiles / Cluster>& order,
                                            const int* first_block, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                            int rank, int first_tile, int tile_step, int total) {
 #if LPMOE_SM90A_DEVICE
-  using L = WgradLayout<BlockN>;
+  using L = WgradLayout<BlockN, Fp32Accumulate>;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int wg = warp_uniform(threadIdx.x / 128);
@@ -138,7 +140,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     const int n0 = (t.m_block * Cluster + rank) * kBlockM;
     const int k0 = t.n_block * BlockN;
     if constexpr (Fp32Accumulate) {
-      load_old_first_half<BlockN, L::kFp32Boxes>(p, stage_out, t.group, n0 + wg * 64 + w_in_wg * 16, k0, lane);
+      load_old_values<BlockN, L::kFp32Boxes>(p, stage_out, t.group, n0 + wg * 64 + w_in_wg * 16, k0, lane);
     }
 #pragma unroll
     for (int i = 0; i < BlockN / 2; ++i) res[i] = 0.0f;
@@ -161,7 +163,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     const int64_t member = int64_t(t.group) * p.n_rows * p.k_cols;
     const int warp_row0 = n0 + wg * 64 + w_in_wg * 16;
     if constexpr (Fp32Accumulate) {
-      accumulate_fp32_tma<BlockN, L::kFp32Boxes>(p, res, acc, t.group, warp_row0, k0, lane, stage_out);
+      accumulate_fp32_tma<BlockN, L::kFp32Boxes>(p, res, t.group, warp_row0, k0, lane, stage_out);
     } else if (p.out_bf16_tma) {
       store_bf16_tma<BlockN>(p, res, t.group, warp_row0, k0, lane, stage_out);
     } else if (p.out_bf16) {
@@ -178,7 +180,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
 template <int BlockN, int Cluster, bool Fp32Accumulate>
 __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_constant__ WgradParams p) {
 #if LPMOE_SM90A_DEVICE
-  using L = WgradLayout<BlockN>;
+  using L = WgradLayout<BlockN, Fp32Accumulate>;
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (cute::cast_smem_ptr_to_uint(smem_raw) & 1023)) & 1023);

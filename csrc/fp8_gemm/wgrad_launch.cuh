@@ -12,7 +12,7 @@ namespace fp8_gemm {
 template <int BlockN, int Cluster, bool Fp32Accumulate>
 cudaError_t launch_wgrad(const WgradParams& p, int grid, cudaStream_t stream) {
   return launch_cluster_kernel(fp8_block_wgrad_kernel<BlockN, Cluster, Fp32Accumulate>, grid, Cluster,
-                               WgradLayout<BlockN>::smem_bytes(p.num_groups), stream, p);
+                               WgradLayout<BlockN, Fp32Accumulate>::smem_bytes(p.num_groups), stream, p);
 }
 
 #define LPMOE_INSTANTIATE_WGRAD(N, FP32_ACCUMULATE)                                               \
