@@ -144,11 +144,13 @@ def test_gpu_wgrad_accumulation_is_one_fp32_add_bitwise(config):
     see a K-block read with the next one's column scales (stop 54's race
     moved a few whole columns by ~1e-1 relative, every run somewhere else);
     this one fails on a single wrong bit.  Three calls, since a race may
-    miss one.  (Its first shape is close to the one that went wrong in all
+    miss one.  Members of 384, 768 and 1152 tokens fill whole turns of the
+    width-192 main_grad kernel's 3-stage ring, where the last K-block's
+    stage is released after the walk with no padding slot before it.  (Its first shape is close to the one that went wrong in all
     16 unfenced width-192 cluster-1 runs of stop 54's probe; the test was
     written after that fix, and has passed on the H100 with the one that
     replaced it, the release one K-block later.)"""
-    for splits, n, k in (([7, 0, 4096], 4096, 7168), ([512] * 32, 256, 2080)):
+    for splits, n, k in (([7, 0, 4096], 4096, 7168), ([512] * 32, 256, 2080), ([384, 768, 0, 1152, 130], 512, 2080)):
         dyg, xg, _, _ = _case(splits, n, k, seed=len(splits))
         with fp8_wgrad_kernel_config(*config):
             fresh = lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped")
@@ -232,6 +234,13 @@ def test_gpu_wgrad_main_grad_kernels_group_limit():
                                          r"for 1600 groups"):
         with fp8_wgrad_kernel_config(192, 1):
             lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=old.clone(), accumulate=True, backend="grouped")
+    # Pinning only the cluster leaves the width to the kernel's choice.
+    d = old.clone()
+    before = CALLS.get(k128, 0)
+    with fp8_wgrad_kernel_config(0, 1):
+        lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=d, accumulate=True, backend="grouped")
+    assert CALLS[k128] == before + 1
+    assert torch.equal(d, old + fresh)
 
 
 def test_wgrad_heuristic_choices():

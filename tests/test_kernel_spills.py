@@ -77,7 +77,8 @@ def ptxas_spills(kind, width, cluster, variant, tmp):
     assert out.returncode == 0, out.stderr[-2000:]
     found = SPILLS.findall(out.stderr)
     assert len(found) == 1, f"expected one kernel in ptxas's report:\n{out.stderr[-2000:]}"
-    return tuple(int(v) for v in found[0])
+    serialized = [line for line in out.stderr.splitlines() if "wgmma" in line and "serialized" in line]
+    return tuple(int(v) for v in found[0]) + (serialized,)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,20 @@ def reports(tmp_path_factory):
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{j[0]}-n{j[1]}c{j[2]}" + ("-fp32acc" if j[3] == "true" else ""))
 def test_fp8_gemm_kernel_spills_stay_small(reports, job):
-    stores, loads = reports[job]
+    stores, loads, _ = reports[job]
     assert stores <= MAX_SPILL_BYTES and loads <= MAX_SPILL_BYTES, (
         f"{job}: ptxas spills {stores} bytes stored / {loads} loaded per thread (bound {MAX_SPILL_BYTES}); "
         "a spilling K loop costs the tensor pipe 5-25 % (see this file's docstring)")
+
+
+@pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{j[0]}-n{j[1]}c{j[2]}" + ("-fp32acc" if j[3] == "true" else ""))
+def test_fp8_gemm_kernel_wgmmas_stay_asynchronous(reports, job):
+    """ptxas serializes a kernel's wgmmas ("(C751x) Potential Performance
+    Loss: wgmma.mma_async instructions are serialized due to ...") when it
+    cannot keep the accumulator registers untouched between issue and wait;
+    the wgrad K loop now releases a stage between the two (wgrad_kernel.cuh),
+    and a change there that trips this would cost the tensor pipe its overlap
+    silently.  (Checked that it fires: reading one accumulator register
+    between the wgrad K loop's issue and wait gives C7511 on both width-192
+    kernels.)"""
+    assert not reports[job][2], f"{job}: " + "; ".join(reports[job][2])

@@ -79,7 +79,8 @@ struct WgradLayout {
   static constexpr int kEpilogueBytes = 8 * kWarpEpilogueBytes;
   // Reserve 1 KB alignment slack, the staging and 2 KB for the barriers and
   // the member table (thousands of groups fit in what the stages leave
-  // over); the rest is pipeline stages (4 at width 192, 5 at 128).
+  // over); the rest is pipeline stages (4 at width 192, 5 at 128; with
+  // Fp32Strip 3 and 4).
   static constexpr int kStages =
       (kSmemLimit - 1024 - kEpilogueBytes - 2048) / (kStageBytes + kScaleStageBytes);
   static_assert(kStages >= 3, "too few stages");

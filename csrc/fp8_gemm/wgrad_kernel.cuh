@@ -117,10 +117,13 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
   // K-block has no successor in the tile; its stage goes back after the
   // walk, behind a CTA fence (once per tile; a fence per K-block cost long
   // members 5-10 %, and releasing it from inside `kblock` under a runtime
-  // test spilled the accumulating width-192 kernel).  release_stage's warp
-  // barrier keeps the compiler from moving the next stage's loads up into
-  // the promotion (with the predicated per-lane arrive of the fprop kernel,
-  // n192 spilled inside the loop).
+  // test spilled the accumulating width-192 kernel).  release_stage (a warp
+  // barrier, then lane 0 arrives for the warp) also orders the other lanes'
+  // reads before the arrive in the PTX memory model.  The SASS was checked
+  // for the order (the arrive between the last QGMMA and the wgmma wait) in
+  // the width-192 cluster-1 kernels; ptxas could in principle copy `acc` to
+  // other registers and break the chain, which a change of this loop should
+  // look for again.
   auto kblock = [&](int s, int kb) {
     Barrier::wait(&full[s], phase);
     const uint8_t* st = smem + s * L::kStageBytes;
