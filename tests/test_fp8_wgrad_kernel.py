@@ -116,6 +116,31 @@ def test_gpu_wgrad_configs_agree_bitwise(out_dtype):
 
 
 @requires_cuda
+def test_gpu_wgrad_two_kblock_tiles_many_per_cta():
+    """Members of 256 tokens give tiles of 2 K-blocks with the math
+    warpgroups half a tile apart (lead 1), dozens of tiles per CTA: the case
+    where a ring that does not restart each tile at stage 0 let warpgroup 0
+    reach a later tile's lead arrival early and hung (stop 55's continuous
+    ring, docs/grouped-mlp-notes.md).  Every configuration, fresh fp32 and
+    accumulated, agrees bitwise.  A kernel that breaks the lead invariant
+    hangs here rather than failing (checked on the H100: the continuous-ring
+    build hung in this test until killed after 45 s)."""
+    splits = [256] * 31 + [512]
+    dyg, xg, _, _ = _case(splits, 1024, 2048, seed=31)
+    old = torch.randn(len(splits), 1024, 2048, device="cuda")
+    fresh, acc = [], []
+    for config in CONFIGS[:-1]:
+        with fp8_wgrad_kernel_config(*config):
+            fresh.append(lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out_dtype=torch.float32, backend="grouped"))
+            d = old.clone()
+            lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=d, accumulate=True, backend="grouped")
+            acc.append(d)
+    for f, a in zip(fresh, acc):
+        assert torch.equal(f, fresh[0])
+        assert torch.equal(a, old + fresh[0])
+
+
+@requires_cuda
 @pytest.mark.parametrize("config", CONFIGS[:-1])
 def test_gpu_wgrad_bf16_tma_store_is_the_fp32_result_rounded(config):
     """The TMA-store bf16 epilogue writes exactly the fp32 epilogue's values
