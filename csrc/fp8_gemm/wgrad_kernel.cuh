@@ -66,7 +66,10 @@ __device__ __forceinline__ void promote_outer(float* res, const float* acc, floa
 // members of 256 tokens (2-K-block tiles) a fixed 2 ran 2-8 % slower than
 // no lead, half a tile 8-10 % faster than the fixed 2.  Warpgroup 0 can
 // never arrive for a later tile before warpgroup 1 has passed this one's
-// wait: that arrival needs stages which warpgroup 1 releases only after it.
+// wait: that arrival needs stages which warpgroup 1 releases only after it,
+// because every tile starts at ring stage 0 (ring_turns).  A ring that went
+// on across tiles broke this and hung at 2-K-block tiles (stop 55,
+// docs/grouped-mlp-notes.md; test_gpu_wgrad_two_kblock_tiles_many_per_cta).
 // Both derive `lead` from the tile's K-block count; tiles of one or none
 // (empty members, members of 1-128 tokens) skip both sides.
 constexpr int kLead = 2;
