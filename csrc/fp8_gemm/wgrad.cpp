@@ -27,9 +27,9 @@ cudaError_t launch_cluster(int cluster, const WgradParams& p, int grid, cudaStre
 }
 
 template <int BlockN>
-cudaError_t launch_width(int cluster, const WgradParams& p, int grid, cudaStream_t stream) {
-  return p.accumulate && !p.out_bf16 ? launch_cluster<BlockN, true>(cluster, p, grid, stream)
-                                     : launch_cluster<BlockN, false>(cluster, p, grid, stream);
+cudaError_t launch_width(int cluster, bool fp32_accumulate, const WgradParams& p, int grid, cudaStream_t stream) {
+  return fp32_accumulate ? launch_cluster<BlockN, true>(cluster, p, grid, stream)
+                         : launch_cluster<BlockN, false>(cluster, p, grid, stream);
 }
 
 }  // namespace
@@ -105,8 +105,8 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   const int64_t sm_ctas = args.sm_count / cfg.cluster * cfg.cluster;
   const int64_t max_ctas = m_tiles * n_tiles * g * cfg.cluster;
   const int grid = static_cast<int>(max_ctas < sm_ctas ? max_ctas : sm_ctas);
-  st = cfg.block_n == 128 ? launch_width<128>(cfg.cluster, p, grid, args.stream)
-                          : launch_width<192>(cfg.cluster, p, grid, args.stream);
+  st = cfg.block_n == 128 ? launch_width<128>(cfg.cluster, fp32_accumulate, p, grid, args.stream)
+                          : launch_width<192>(cfg.cluster, fp32_accumulate, p, grid, args.stream);
   if (st == cudaSuccess) {
     *ran = cfg;
     if (bf16_tma_store != nullptr) *bf16_tma_store = p.out_bf16_tma != 0;

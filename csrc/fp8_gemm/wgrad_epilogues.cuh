@@ -14,6 +14,30 @@
 namespace lpmoe {
 namespace fp8_gemm {
 
+// A warp's staged fp32 box: 16 rows x 32 columns, 128-byte rows whose
+// 16-byte chunks are swizzled by the row (the out map's 128-byte swizzle).
+// The slot of this lane's fragment pair (columns 2 (lane % 4) + {0, 1} of
+// 8-column group jj, row lane / 4); the pair of row + 8 is kFp32BoxHalf
+// float2 further on.
+constexpr int kFp32BoxHalf = 8 * 128 / sizeof(float2);
+__device__ __forceinline__ float2* fp32_box_slot(uint8_t* box, int jj, int lane) {
+  const int r = lane / 4;
+  const int chunk = 2 * jj + (lane % 4) / 2;  // 16-byte chunk of the 128-byte row
+  return reinterpret_cast<float2*>(box + r * 128 + ((chunk ^ r) * 16) + (lane % 2) * 8);
+}
+
+// The warp's writes into `box` made visible to the bulk copy, then lane 0
+// stores it at (col, row, group) of the out map as a bulk group of its own.
+__device__ __forceinline__ void store_fp32_box(const WgradParams& p, uint8_t* box, int col, int row, int group,
+                                               int lane) {
+  cute::tma_store_fence();  // generic-proxy writes visible to the bulk copy
+  __syncwarp();
+  if (lane == 0) {
+    cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, col, row, group);
+    cute::tma_store_arrive();
+  }
+}
+
 // fp32 output through the TMA unit: the warp writes its 16 rows x 32
 // columns into a staging box (128-byte swizzled rows: the fragment's 8-byte
 // writes from 8 rows land in distinct banks), and one lane hands the box to
@@ -26,7 +50,6 @@ template <int BlockN, int Boxes>
 __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float* res, int group, int warp_row0,
                                                int tile_col0, int lane, uint8_t* staging) {
   static_assert((BlockN / kWgradBoxCols) % Boxes == 0, "the box turn restarts with each tile");
-  const int r = lane / 4;
 #pragma unroll
   for (int c = 0; c < BlockN / kWgradBoxCols; ++c) {
     uint8_t* box = staging + (c % Boxes) * kWgradStagingBytes;
@@ -35,17 +58,11 @@ __device__ __forceinline__ void store_fp32_tma(const WgradParams& p, const float
 #pragma unroll
     for (int jj = 0; jj < kWgradBoxCols / 8; ++jj) {
       const int j = c * (kWgradBoxCols / 8) + jj;
-      const int chunk = 2 * jj + (lane % 4) / 2;  // 16-byte chunk of the 128-byte row
-      const int off = ((chunk ^ r) * 16) + (lane % 2) * 8;
-      *reinterpret_cast<float2*>(box + r * 128 + off) = make_float2(res[4 * j], res[4 * j + 1]);
-      *reinterpret_cast<float2*>(box + (r + 8) * 128 + off) = make_float2(res[4 * j + 2], res[4 * j + 3]);
+      float2* lo = fp32_box_slot(box, jj, lane);
+      lo[0] = make_float2(res[4 * j], res[4 * j + 1]);
+      lo[kFp32BoxHalf] = make_float2(res[4 * j + 2], res[4 * j + 3]);
     }
-    cute::tma_store_fence();  // generic-proxy writes visible to the bulk copy
-    __syncwarp();
-    if (lane == 0) {
-      cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, tile_col0 + c * kWgradBoxCols, warp_row0, group);
-      cute::tma_store_arrive();
-    }
+    store_fp32_box(p, box, tile_col0 + c * kWgradBoxCols, warp_row0, group, lane);
   }
 }
 
@@ -106,19 +123,12 @@ __device__ __forceinline__ void accumulate_fp32_tma(const WgradParams& p, const 
 #pragma unroll
     for (int jj = 0; jj < kWgradBoxCols / 8; ++jj) {
       const int j = c * (kWgradBoxCols / 8) + jj;
-      const int chunk = 2 * jj + (lane % 4) / 2;
-      float2* lo = reinterpret_cast<float2*>(box + (lane / 4) * 128 + ((chunk ^ (lane / 4)) * 16) + (lane % 2) * 8);
-      float2* hi = lo + 8 * 128 / sizeof(float2);
-      const float2 a = *lo, b = *hi;
-      *lo = make_float2(a.x + res[4 * j], a.y + res[4 * j + 1]);
-      *hi = make_float2(b.x + res[4 * j + 2], b.y + res[4 * j + 3]);
+      float2* lo = fp32_box_slot(box, jj, lane);
+      const float2 a = lo[0], b = lo[kFp32BoxHalf];
+      lo[0] = make_float2(a.x + res[4 * j], a.y + res[4 * j + 1]);
+      lo[kFp32BoxHalf] = make_float2(b.x + res[4 * j + 2], b.y + res[4 * j + 3]);
     }
-    cute::tma_store_fence();
-    __syncwarp();
-    if (lane == 0) {
-      cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, tile_col0 + c * kWgradBoxCols, warp_row0, group);
-      cute::tma_store_arrive();
-    }
+    store_fp32_box(p, box, tile_col0 + c * kWgradBoxCols, warp_row0, group, lane);
   }
 }
 
