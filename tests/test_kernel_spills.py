@@ -34,6 +34,10 @@ JOBS = ([("fprop", w, c, "") for w in (128, 160, 192) for c in (1, 2)] +
         [("wgrad", w, c, v) for w in (128, 192) for c in (1, 2) for v in ("false", "true")])
 
 
+def _job_id(job):
+    return f"{job[0]}-n{job[1]}c{job[2]}" + ("-fp32acc" if job[3] == "true" else "")
+
+
 def _nvcc():
     found = shutil.which("nvcc")
     if found:
@@ -84,13 +88,12 @@ def ptxas_spills(kind, width, cluster, variant, tmp):
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("spills"))
-    jobs = JOBS
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        futures = {job: pool.submit(ptxas_spills, *job, tmp) for job in jobs}
+        futures = {job: pool.submit(ptxas_spills, *job, tmp) for job in JOBS}
         return {job: f.result() for job, f in futures.items()}
 
 
-@pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{j[0]}-n{j[1]}c{j[2]}" + ("-fp32acc" if j[3] == "true" else ""))
+@pytest.mark.parametrize("job", JOBS, ids=_job_id)
 def test_fp8_gemm_kernel_spills_stay_small(reports, job):
     stores, loads, _ = reports[job]
     assert stores <= MAX_SPILL_BYTES and loads <= MAX_SPILL_BYTES, (
@@ -98,7 +101,7 @@ def test_fp8_gemm_kernel_spills_stay_small(reports, job):
         "a spilling K loop costs the tensor pipe 5-25 % (see this file's docstring)")
 
 
-@pytest.mark.parametrize("job", JOBS, ids=lambda j: f"{j[0]}-n{j[1]}c{j[2]}" + ("-fp32acc" if j[3] == "true" else ""))
+@pytest.mark.parametrize("job", JOBS, ids=_job_id)
 def test_fp8_gemm_kernel_wgmmas_stay_asynchronous(reports, job):
     """ptxas serializes a kernel's wgmmas ("(C751x) Potential Performance
     Loss: wgmma.mma_async instructions are serialized due to ...") when it
