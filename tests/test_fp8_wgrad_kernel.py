@@ -140,6 +140,50 @@ def test_gpu_wgrad_two_kblock_tiles_many_per_cta():
         assert torch.equal(a, old + fresh[0])
 
 
+def _tile_counter(g):
+    """The wgrad kernel's tile counter (csrc/fp8_gemm/tile_feed.cuh): in the
+    wgrad workspace right after the 128-byte aligned per-member maps."""
+    from lpmoe.gemm.workspaces import gemm_workspace, slot_for_kind
+    ws = gemm_workspace(torch.device("cuda"), slot_for_kind("wgrad"))
+    off = (-ws.data_ptr()) % 128 + 2 * g * 128
+    return int(ws[off:off + 4].view(torch.int32).item())
+
+
+@requires_cuda
+@pytest.mark.parametrize("splits", [[4096] + [256] * 31, [512] * 32], ids=["skewed", "uniform"])
+def test_gpu_wgrad_dynamic_tile_feed(splits):
+    """The main_grad kernels of cluster 1 take their tiles from a global
+    counter (20-22 tiles per CTA here; skewed: one long member's tiles, then
+    31 short members'): every tile is claimed exactly once (each CTA's first
+    tile is its block index, each later one and the final past-the-end
+    claim an atomic add, so the counter ends at the tile count), the counter
+    starts over every call, and the result equals the round-robin cluster-2
+    kernel's bitwise.  The other kernels (fresh output, cluster 2) never
+    touch the counter, and their NaN-poisoned outputs agree bitwise too."""
+    g, n, k = len(splits), 1024, 2048
+    dyg, xg, _, _ = _case(splits, n, k, seed=56)
+    old = torch.randn(g, n, k, device="cuda")
+    results = {}
+    for config in ((192, 2), (128, 2), (192, 1), (128, 1)):
+        tiles = -(-n // (128 * config[1])) * -(-k // config[0]) * g
+        with fp8_wgrad_kernel_config(*config):
+            for out in ("fp32", "bf16", "acc"):
+                for _ in range(2):  # a second call starts the counter over
+                    if out == "acc":
+                        d = old.clone()
+                    else:
+                        d = torch.full((g, n, k), float("nan"), device="cuda",
+                                       dtype=torch.float32 if out == "fp32" else torch.bfloat16)
+                    lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=d, accumulate=out == "acc", backend="grouped")
+                    dynamic = config[1] == 1 and out == "acc"
+                    assert _tile_counter(g) == (tiles if dynamic else 0), (config, out)
+                    if config != (192, 2):
+                        assert torch.equal(d, results[(192, 2), out]), (config, out)
+                results[config, out] = d
+    assert not bool(results[(192, 2), "fp32"].isnan().any())
+    assert torch.equal(results[(192, 2), "acc"], old + results[(192, 2), "fp32"])
+
+
 @requires_cuda
 @pytest.mark.parametrize("config", CONFIGS[:-1])
 def test_gpu_wgrad_bf16_tma_store_is_the_fp32_result_rounded(config):
@@ -208,8 +252,8 @@ def test_gpu_wgrad_no_tokens_at_all(acc):
 
 @requires_cuda
 def test_gpu_wgrad_group_count_limits():
-    """Past the width-192 member table (3311 groups) the automatic choice
-    takes width 128 (7403); past that the CUTLASS kernel runs; a pinned width
+    """Past the width-192 member table (3291 groups) the automatic choice
+    takes width 128 (7383); past that the CUTLASS kernel runs; a pinned width
     whose table is too small is refused clearly."""
     n, k = 128, 384  # the cost model prefers 192 here
     from lpmoe._ext import ext
@@ -236,7 +280,7 @@ def test_gpu_wgrad_group_count_limits():
 @requires_cuda
 def test_gpu_wgrad_main_grad_kernels_group_limit():
     """The main_grad (fp32 accumulate) kernels stage a warp's whole fp32
-    strip, which leaves their width-192 member table 1587 groups (3311 for
+    strip, which leaves their width-192 member table 1567 groups (3291 for
     the others): at 1600 groups fresh output still runs width 192,
     accumulation takes width 128 and adds exactly the fresh result, and
     pinning width 192 for it is refused clearly."""

@@ -12,8 +12,9 @@ namespace fp8_gemm {
 namespace {
 
 // The main_grad kernels have their own shared-memory plan, hence their own
-// member-table limit (1587 groups at width 192 against 3311; 7663 at 128
-// against 7403, one stage fewer leaving more room).
+// member-table limit (1567 groups at width 192 against 3291; 7643 at 128
+// against 7383, one stage fewer leaving more room; each 20 fewer since the
+// tile feed's ring took shared memory, stop 56).
 template <int BlockN>
 bool wgrad_fits(int num_groups, bool fp32_accumulate) {
   const int limit = fp32_accumulate ? WgradLayout<BlockN, true>::max_groups() : WgradLayout<BlockN>::max_groups();
@@ -64,7 +65,8 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   const int64_t m_tiles = (args.n + kBlockM * cfg.cluster - 1) / (kBlockM * cfg.cluster);
   const int64_t n_tiles = (args.k + cfg.block_n - 1) / cfg.block_n;
   if (m_tiles * n_tiles * g > INT_MAX / 2) return cudaErrorNotSupported;
-  // The maps live at the start of the caller's workspace, 128-byte aligned.
+  // The maps live at the start of the caller's workspace, 128-byte aligned,
+  // the tile counter right after them.
   const uintptr_t ws = reinterpret_cast<uintptr_t>(args.workspace);
   const uintptr_t maps = (ws + 127) / 128 * 128;
   if (args.workspace == nullptr || args.workspace_bytes < wgrad_map_bytes(g)) return cudaErrorInvalidValue;
@@ -88,6 +90,7 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   p.a_scale = args.a_scale;
   p.b_scale = args.b_scale;
   p.maps = reinterpret_cast<const CUtensorMap*>(maps);
+  p.tile_counter = reinterpret_cast<int*>(maps + 2 * size_t(g) * sizeof(CUtensorMap));
   p.d = args.d;
   p.out_bf16 = args.wgrad_bf16 ? 1 : 0;
   p.accumulate = args.beta != 0.0f ? 1 : 0;

@@ -44,7 +44,16 @@ struct WgradParams {
   // with (kStoreBoxCols x 16) boxes and 64-byte swizzle (the strip of
   // write_bf16_strip).
   CUtensorMap out_map{};
+  // The dynamic tile feed's counter (cluster 1, tile_feed.cuh), in the
+  // workspace after the maps; the map launch zeroes it.
+  int* tile_counter = nullptr;
 };
+
+// The dynamic tile feed (tile_feed.cuh): tiles the producer may publish
+// ahead of the math warps, and the shared memory of that ring (a full and an
+// empty barrier and a tile index per slot).
+constexpr int kWgradFeedSlots = 4;
+constexpr int kWgradFeedBytes = kWgradFeedSlots * (2 * 8 + 4);
 
 // fp32 epilogue box of one math warp: its 16 rows x 32 columns (128-byte rows).
 constexpr int kWgradBoxCols = 32;
@@ -87,7 +96,8 @@ struct WgradLayout {
   static constexpr int kEpilogueOffset = kStages * kStageBytes;
   static constexpr int kScaleOffset = kEpilogueOffset + kEpilogueBytes;
   static constexpr int kBarOffset = kScaleOffset + kStages * kScaleStageBytes;
-  static constexpr int kTableOffset = kBarOffset + 2 * kStages * 8;
+  static constexpr int kFeedOffset = kBarOffset + 2 * kStages * 8;
+  static constexpr int kTableOffset = kFeedOffset + kWgradFeedBytes;
   // The table: each member's first 128-token block (G+1 ints).
   static constexpr size_t smem_bytes(int groups) { return 1024 + kTableOffset + 4 * (size_t(groups) + 1); }
   static constexpr int max_groups() { return (kSmemLimit - 1024 - kTableOffset) / 4 - 1; }
@@ -96,9 +106,9 @@ struct WgradLayout {
 // Tile widths this build instantiates for wgrad (clusters 1 and 2).
 constexpr int kWgradBlockNs[] = {128, 192};
 
-// Bytes of the GEMM workspace the per-member maps need (128-byte aligned
-// inside it).
-inline size_t wgrad_map_bytes(int num_groups) { return 128 + 2 * size_t(num_groups) * sizeof(CUtensorMap); }
+// Bytes of the GEMM workspace the per-member maps (128-byte aligned inside
+// it) and, after them, the tile feed's counter need.
+inline size_t wgrad_map_bytes(int num_groups) { return 128 + 2 * size_t(num_groups) * sizeof(CUtensorMap) + 128; }
 
 // Fp32Accumulate: the fp32-output, beta = 1 (main_grad) kernel; every other
 // output runs the other one.

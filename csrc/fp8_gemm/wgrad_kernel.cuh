@@ -19,7 +19,9 @@
 //   once the next K-block's wgmmas are issued.
 // * Every member has the same tiles, with a member-dependent number of
 //   K-blocks; an empty member's tiles store zeros (or leave an accumulated
-//   output alone), so no separate zeroing launch exists.
+//   output alone), so no separate zeroing launch exists.  The main_grad
+//   kernels take tiles from a global counter as CTAs free up, the others
+//   round-robin (tile_feed.cuh).
 // * Math warpgroup 1 runs half a tile (at most kLead K-blocks) behind
 //   warpgroup 0 (below), so their epilogues do not fall on the same cycles.
 // * The fp32 epilogue goes out through TMA stores of per-warp 16 x 32 boxes
@@ -33,6 +35,7 @@
 
 #include "fp8_gemm/math_warpgroup.cuh"
 #include "fp8_gemm/sm90_primitives.cuh"
+#include "fp8_gemm/tile_feed.cuh"
 #include "fp8_gemm/tile_scheduler.cuh"
 #include "fp8_gemm/wgrad.h"
 #include "fp8_gemm/wgrad_epilogues.cuh"
@@ -84,7 +87,8 @@ constexpr int kLeadBarrier = 1;  // NamedBarrier's id (CUTLASS offsets it past i
 template <int BlockN, int Cluster, bool Fp32Accumulate>
 __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTileOrder<kBandRowTiles / Cluster>& order,
                                            const int* first_block, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                           int rank, int first_tile, int tile_step, int total) {
+                                           int rank, WgradTileFeed<dynamic_feed(Cluster, Fp32Accumulate)>& feed,
+                                           int first_tile, int total) {
 #if LPMOE_SM90A_DEVICE
   using L = WgradLayout<BlockN, Fp32Accumulate>;
   const int warp = threadIdx.x / 32;
@@ -139,7 +143,7 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
     promote_outer<BlockN>(res, acc, sa0, sa1, sc + kBlockM + col_in_frag);
     if (wg == 0 && kb == lead - 1) cutlass::arch::NamedBarrier::arrive(256, kLeadBarrier);
   };
-  for (int tile = first_tile; tile < total; tile += tile_step) {
+  for (int tile = feed.first(first_tile, lane); tile < total; tile = feed.next(tile, lane)) {
     const WgradTile t = order.locate(tile);
     const int nkb = first_block[t.group + 1] - first_block[t.group];
     if (nkb == 0 && p.accumulate) continue;  // nothing to add
@@ -204,6 +208,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
       Barrier::init(&full[s], 1);
       Barrier::init(&empty[s], 8 * Cluster);  // one arrive per math warp of each CTA
     }
+    if constexpr (dynamic_feed(Cluster, Fp32Accumulate)) WgradTileFeed<true>::init(smem + L::kFeedOffset);
     cutlass::arch::fence_barrier_init();
   }
   if (warp == 0) {
@@ -216,7 +221,11 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
                                                        (p.k_cols + BlockN - 1) / BlockN};
   const int total = order.per_member() * p.num_groups;
   const int first_tile = blockIdx.x / Cluster;
-  const int tile_step = gridDim.x / Cluster;
+  WgradTileFeed<dynamic_feed(Cluster, Fp32Accumulate)> feed{static_cast<int>(gridDim.x / Cluster)};
+  if constexpr (dynamic_feed(Cluster, Fp32Accumulate)) {
+    feed.counter = p.tile_counter;
+    feed.smem = smem + L::kFeedOffset;
+  }
 
   if (wg == 2) {
     cutlass::arch::warpgroup_reg_dealloc<kWgradRegs.producer>();
@@ -226,7 +235,10 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
       const int64_t b_ld = (p.k_cols + 3) / 4 * 4;
       int member = -1;
       RingPos<kStages> pos;
-      for (int tile = first_tile; tile < total; tile += tile_step) {
+      // The math warps learn each tile from the feed, the end included.
+      feed.publish(first_tile);
+      for (int tile = first_tile, next; tile < total; feed.publish(tile = next)) {
+        next = feed.claim(tile);  // before the loads, which hide its latency
         const WgradTile t = order.locate(tile);
         const int kb0 = first_block[t.group];
         const int nkb = first_block[t.group + 1] - kb0;
@@ -274,7 +286,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
       }
     }
   } else {
-    wgrad_math<BlockN, Cluster, Fp32Accumulate>(p, order, first_block, smem, full, empty, rank, first_tile, tile_step, total);
+    wgrad_math<BlockN, Cluster, Fp32Accumulate>(p, order, first_block, smem, full, empty, rank, feed, first_tile, total);
   }
   if constexpr (Cluster > 1) cute::cluster_sync();
 #else

@@ -4,7 +4,8 @@
 // device-side split sizes.  One thread per map copies the host-encoded
 // template (box, swizzle, element type and row count are final) and patches
 // those three fields with tensormap.replace; the kernel that reads the maps
-// acquires them through the tensormap proxy.
+// acquires them through the tensormap proxy.  The launch also zeroes the
+// GEMM's tile counter, so every call (and graph replay) starts it over.
 #include "fp8_gemm/sm90_primitives.cuh"
 #include "fp8_gemm/wgrad.h"
 
@@ -15,9 +16,10 @@ namespace {
 __global__ void wgrad_maps_kernel(const __grid_constant__ CUtensorMap a_template,
                                   const __grid_constant__ CUtensorMap b_template, const uint8_t* a, const uint8_t* b,
                                   const int64_t* pad128, int num_groups, int64_t n_rows, int64_t k_cols,
-                                  CUtensorMap* maps) {
+                                  CUtensorMap* maps, int* tile_counter) {
 #if LPMOE_SM90A_DEVICE
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i == 0) *tile_counter = 0;  // the GEMM's tile feed starts over (tile_feed.cuh)
   if (i >= 2 * num_groups) return;
   const int t = i / 2;
   const bool is_b = i % 2 == 1;
@@ -53,7 +55,7 @@ cudaError_t launch_wgrad_maps(const CUtensorMap& a_template, const CUtensorMap& 
   const int threads = 2 * p.num_groups;
   wgrad_maps_kernel<<<(threads + 127) / 128, 128, 0, stream>>>(
       a_template, b_template, static_cast<const uint8_t*>(a), static_cast<const uint8_t*>(b), p.pad128, p.num_groups,
-      p.n_rows, p.k_cols, const_cast<CUtensorMap*>(p.maps));
+      p.n_rows, p.k_cols, const_cast<CUtensorMap*>(p.maps), p.tile_counter);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,116 @@
+// Which tiles a persistent wgrad CTA takes, and how its producer and math
+// warps agree on them.
+//
+// Handed out round-robin (tile, tile + grid, ...), a CTA's share is fixed
+// before anything runs.  That leaves CTAs behind in two cases: a tile's
+// length is its member's token count, so with skewed routing the last
+// partial wave of a long member's tiles leaves a few CTAs one long tile
+// behind the rest (32 x 16k tokens with half of them in one member: 1216
+// tiles of 66 K-blocks = 9 x 132 + 28); and where tile times vary with the
+// memory system (the main_grad kernels read and write the fp32 output in
+// every tile), the CTAs drift apart and the slowest one sets the end.  The
+// dynamic feed hands the tiles out in the same order from a global counter
+// as CTAs free up.  Each tile is still one CTA's, over its K-blocks in
+// order: the same bits.
+//
+// The producer thread claims the CTA's next tile (one atomic add, issued
+// before the current tile's loads, which hide its latency) and publishes it
+// through a small ring in shared memory, which the math warps read before
+// each tile (the end too: a claim past the last tile).  Every CTA's first
+// tile is its block index, so the counter hands out tiles from the grid size
+// on; the launch before the kernel (wgrad_maps.cu) zeroes it, which keeps
+// the kernel capturable in a CUDA graph and replayable.
+//
+// Which kernels use it (dynamic_feed): the main_grad kernels of cluster 1.
+// H100, same call, against round-robin, DeepSeek-V3 fc1 / fc2 at 32 x 512
+// tokens: main_grad 9-11 % faster uniform and skewed; but the fresh-output
+// kernels ran 5-7 % slower with uniform routing (and 2-4 % faster skewed),
+// and the feed's ring with the round-robin order measured the same as
+// without it, so the order itself costs them (not found why:
+// docs/fp8-wgrad-kernel-notes.md, stop 56).  Cluster 2 keeps the
+// round-robin: the two CTAs of a cluster multicast one operand tile and must
+// take the same tile, which a counter would have to pass from one to the
+// other through distributed shared memory (and the heuristic never picks
+// cluster 2 for wgrad).
+#pragma once
+
+#include "fp8_gemm/sm90_primitives.cuh"
+#include "fp8_gemm/wgrad.h"
+
+namespace lpmoe {
+namespace fp8_gemm {
+
+constexpr int kFeedSlots = kWgradFeedSlots;
+
+__host__ __device__ constexpr bool dynamic_feed(int cluster, bool fp32_accumulate) {
+  return cluster == 1 && fp32_accumulate;
+}
+constexpr int kFeedMathWarps = 8;  // one empty arrival per math warp
+
+template <bool Dynamic>
+struct WgradTileFeed;
+
+// Round-robin: tile, tile + step, ...
+template <>
+struct WgradTileFeed<false> {
+  int step;
+
+  __device__ __forceinline__ static void init(uint8_t*) {}
+  // Producer side.
+  __device__ __forceinline__ int claim(int tile) const { return tile + step; }
+  __device__ __forceinline__ void publish(int) {}
+  // Math side.
+  __device__ __forceinline__ int first(int tile, int) { return tile; }
+  __device__ __forceinline__ int next(int tile, int) { return tile + step; }
+};
+
+// From a global counter, through a shared-memory ring.
+template <>
+struct WgradTileFeed<true> {
+  int step;            // the grid: the counter's tiles start after every CTA's first
+  int* counter;        // global, zeroed before the launch
+  uint8_t* smem;       // kWgradFeedBytes: full[kFeedSlots], empty[kFeedSlots], tile[kFeedSlots]
+  RingPos<kFeedSlots> pos{};
+
+  __device__ __forceinline__ uint64_t* full() const { return reinterpret_cast<uint64_t*>(smem); }
+  __device__ __forceinline__ uint64_t* empty() const { return full() + kFeedSlots; }
+  __device__ __forceinline__ int* tiles() const { return reinterpret_cast<int*>(empty() + kFeedSlots); }
+
+  // One thread, before the CTA's first barrier sync.
+  __device__ __forceinline__ static void init(uint8_t* smem) {
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+    for (int s = 0; s < kFeedSlots; ++s) {
+      Barrier::init(&bars[s], 1);
+      Barrier::init(&bars[kFeedSlots + s], kFeedMathWarps);
+    }
+  }
+
+  // Producer side (one thread): the tile after `tile` for this CTA, and
+  // handing a tile (or, past the last, the end) to the math warps.
+  __device__ __forceinline__ int claim(int) const { return atomicAdd(counter, 1) + step; }
+  __device__ __forceinline__ void publish(int tile) {
+    Barrier::wait(&empty()[pos.stage], pos.phase ^ 1u);
+    tiles()[pos.stage] = tile;
+    Barrier::arrive(&full()[pos.stage]);  // release: the index is visible to the waiters
+    pos.next();
+  }
+
+  // Math side (every math thread, warp-uniformly): the producer's next tile.
+  __device__ __forceinline__ int take(int lane) {
+    Barrier::wait(&full()[pos.stage], pos.phase);
+    // Read through lane 0, so that the compiler knows the tile is the same
+    // in every lane: read by each lane, the tile and everything derived from
+    // it (member, offsets, addresses, the branches on them) left the uniform
+    // datapath, and the width-192 kernel ran 3-6 % slower on uniform routing.
+    const int tile = warp_uniform(tiles()[pos.stage]);
+    __syncwarp();  // every lane has read the slot before lane 0 frees it
+    if (lane == 0) Barrier::arrive(&empty()[pos.stage]);
+    pos.next();
+    return tile;
+  }
+  __device__ __forceinline__ int first(int, int lane) { return take(lane); }
+  __device__ __forceinline__ int next(int, int lane) { return take(lane); }
+};
+
+}  // namespace fp8_gemm
+}  // namespace lpmoe
