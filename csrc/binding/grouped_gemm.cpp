@@ -162,7 +162,7 @@ std::tuple<int64_t, int64_t, int64_t> grouped_gemm_cutlass(
     // groups); a forced configuration fails instead.
     const fp8_gemm::BlockScaledConfig want{static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)};
     const bool forced = fp8_width != 0 || fp8_cluster != 0;
-    st = gk == gemm::GemmKind::kWgrad ? fp8_gemm::run_wgrad(args, want, &ran, &wgrad_tma_store)
+    st = gk == gemm::GemmKind::kWgrad ? fp8_gemm::run_wgrad(args, a_rows, want, &ran, &wgrad_tma_store)
                                       : fp8_gemm::run_block_scaled(args, a_rows, want, &ran);
     if (st == cudaErrorNotSupported && forced) {
       throw std::invalid_argument(std::string("lpmoe: the FP8 block-scaled ") +

@@ -1,5 +1,5 @@
-// Tile-width choice of the block-scaled fprop/dgrad kernel: the one place
-// where a configuration is picked from the shape (see docs/gemm-notes.md for
+// Configuration choice of the block-scaled fprop/dgrad and wgrad kernels:
+// the one place where a configuration is picked from the shape (see docs/gemm-notes.md for
 // the measurements behind the cost model).
 #pragma once
 
@@ -86,6 +86,24 @@ inline BlockScaledConfig choose_wgrad_config(int64_t k_cols) {
     }
   }
   return c;
+}
+
+// The main_grad (fp32 accumulate) kernels' tile order (tile_feed.cuh): from
+// the global counter where members average at most kDynamicFeedTokens tokens,
+// round-robin above.  The host sees only the token capacity of the
+// columnwise copies (the total plus up to 128 padding tokens per member),
+// hence the extra block in the bound.  H100, DeepSeek-V3 fc1 / fc2, same
+// call, counter against round-robin (docs/fp8-wgrad-kernel-notes.md, stop
+// 56): 32 x 512 tokens 9-13 % faster uniform and skewed, 64 members
+// averaging 1024 with half the tokens in one 13-16 % faster, 32 x 1024
+// uniform 1 % slower; 32 x 2048, 8 x 4096 and 8 x 8192 between 3 % faster
+// and 5 % slower (fc1 8 x 8192 uniform 4-5 % slower in both rounds).
+// The fresh-output kernels keep the round-robin everywhere (5-7 % slower
+// with the counter on uniform 512-token members).
+constexpr int64_t kDynamicFeedTokens = 1024;
+
+inline bool wgrad_dynamic_tiles(int64_t token_capacity, int num_groups) {
+  return token_capacity <= (kDynamicFeedTokens + kBlockK) * num_groups;
 }
 
 }  // namespace fp8_gemm

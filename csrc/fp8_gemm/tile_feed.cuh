@@ -2,16 +2,16 @@
 // warps agree on them.
 //
 // Handed out round-robin (tile, tile + grid, ...), a CTA's share is fixed
-// before anything runs.  That leaves CTAs behind in two cases: a tile's
-// length is its member's token count, so with skewed routing the last
-// partial wave of a long member's tiles leaves a few CTAs one long tile
-// behind the rest (32 x 16k tokens with half of them in one member: 1216
-// tiles of 66 K-blocks = 9 x 132 + 28); and where tile times vary with the
-// memory system (the main_grad kernels read and write the fp32 output in
-// every tile), the CTAs drift apart and the slowest one sets the end.  The
+// before anything runs.  A tile's length is its member's token count, so
+// with skewed routing the last partial wave of a long member's tiles leaves
+// a few CTAs one long tile behind the rest (32 x 16k tokens with half of
+// them in one member: 1216 tiles of 66 K-blocks = 9 x 132 + 28).  The
 // dynamic feed hands the tiles out in the same order from a global counter
 // as CTAs free up.  Each tile is still one CTA's, over its K-blocks in
-// order: the same bits.
+// order: the same bits.  (The main_grad kernels also gained 9-13 % with
+// uniform 512-token members, which suggests their tile times, which include
+// reading and writing the fp32 output, vary enough for round-robin CTAs to
+// drift apart; not profiled.)
 //
 // The producer thread claims the CTA's next tile (one atomic add, issued
 // before the current tile's loads, which hide its latency) and publishes it
@@ -21,17 +21,19 @@
 // on; the launch before the kernel (wgrad_maps.cu) zeroes it, which keeps
 // the kernel capturable in a CUDA graph and replayable.
 //
-// Which kernels use it (dynamic_feed): the main_grad kernels of cluster 1.
-// H100, same call, against round-robin, DeepSeek-V3 fc1 / fc2 at 32 x 512
-// tokens: main_grad 9-11 % faster uniform and skewed; but the fresh-output
-// kernels ran 5-7 % slower with uniform routing (and 2-4 % faster skewed),
-// and the feed's ring with the round-robin order measured the same as
-// without it, so the order itself costs them (not found why:
-// docs/fp8-wgrad-kernel-notes.md, stop 56).  Cluster 2 keeps the
-// round-robin: the two CTAs of a cluster multicast one operand tile and must
-// take the same tile, which a counter would have to pass from one to the
-// other through distributed shared memory (and the heuristic never picks
-// cluster 2 for wgrad).
+// Which kernels use it (dynamic_feed): the main_grad kernels of cluster 1,
+// and of their calls those whose members average at most 1024 tokens
+// (wgrad_dynamic_tiles in heuristics.h, with the measurements; longer
+// members gained nothing and lost up to a few percent, so there the ring
+// carries the round-robin order).  The fresh-output kernels keep the
+// round-robin without the ring: with the counter they ran 5-7 % slower on
+// uniform 512-token members (2-4 % faster skewed), while the ring carrying
+// the round-robin order measured as fast as none, so it is the order itself
+// that costs them (not found why; docs/fp8-wgrad-kernel-notes.md, stop 56).
+// Cluster 2 keeps the round-robin: the two CTAs of a cluster multicast one
+// operand tile and must take the same tile, which a counter would have to
+// pass from one to the other through distributed shared memory (and the
+// heuristic never picks cluster 2 for wgrad).
 #pragma once
 
 #include "fp8_gemm/sm90_primitives.cuh"
@@ -67,9 +69,10 @@ struct WgradTileFeed<false> {
 // From a global counter, through a shared-memory ring.
 template <>
 struct WgradTileFeed<true> {
-  int step;            // the grid: the counter's tiles start after every CTA's first
-  int* counter;        // global, zeroed before the launch
-  uint8_t* smem;       // kWgradFeedBytes: full[kFeedSlots], empty[kFeedSlots], tile[kFeedSlots]
+  int step;       // the grid: the counter's tiles start after every CTA's first
+  int dynamic;    // 0: the ring carries the round-robin order (heuristics.h decides per call)
+  int* counter;   // global, zeroed before the launch
+  uint8_t* smem;  // kWgradFeedBytes: full[kFeedSlots], empty[kFeedSlots], tile[kFeedSlots]
   RingPos<kFeedSlots> pos{};
 
   __device__ __forceinline__ uint64_t* full() const { return reinterpret_cast<uint64_t*>(smem); }
@@ -87,7 +90,7 @@ struct WgradTileFeed<true> {
 
   // Producer side (one thread): the tile after `tile` for this CTA, and
   // handing a tile (or, past the last, the end) to the math warps.
-  __device__ __forceinline__ int claim(int) const { return atomicAdd(counter, 1) + step; }
+  __device__ __forceinline__ int claim(int tile) const { return dynamic ? atomicAdd(counter, 1) + step : tile + step; }
   __device__ __forceinline__ void publish(int tile) {
     Barrier::wait(&empty()[pos.stage], pos.phase ^ 1u);
     tiles()[pos.stage] = tile;
@@ -95,19 +98,18 @@ struct WgradTileFeed<true> {
     pos.next();
   }
 
-  // Math side (every math thread, warp-uniformly): the producer's next tile.
+  // Math side (every math thread): the producer's next tile.
   __device__ __forceinline__ int take(int lane) {
     Barrier::wait(&full()[pos.stage], pos.phase);
-    // Read through lane 0, so that the compiler knows the tile is the same
-    // in every lane: read by each lane, the tile and everything derived from
-    // it (member, offsets, addresses, the branches on them) left the uniform
-    // datapath, and the width-192 kernel ran 3-6 % slower on uniform routing.
-    const int tile = warp_uniform(tiles()[pos.stage]);
+    const int tile = tiles()[pos.stage];
     __syncwarp();  // every lane has read the slot before lane 0 frees it
     if (lane == 0) Barrier::arrive(&empty()[pos.stage]);
     pos.next();
     return tile;
   }
+  // The math warps always read the ring: a branch on `dynamic` here made the
+  // width-192 main_grad kernel spill 32 bytes, while the ring with the
+  // round-robin order measured as fast as without it (32 x 512 tokens).
   __device__ __forceinline__ int first(int, int lane) { return take(lane); }
   __device__ __forceinline__ int next(int, int lane) { return take(lane); }
 };

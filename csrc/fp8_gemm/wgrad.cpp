@@ -47,8 +47,8 @@ bool wgrad_supports(BlockScaledConfig cfg, int num_groups, bool fp32_accumulate)
   }
 }
 
-cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran,
-                      bool* bf16_tma_store) {
+cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, int64_t token_capacity, BlockScaledConfig cfg,
+                      BlockScaledConfig* ran, bool* bf16_tma_store) {
   *ran = BlockScaledConfig{};
   if (bf16_tma_store != nullptr) *bf16_tma_store = false;
   if (args.kind != gemm::GemmKind::kWgrad || (args.beta != 0.0f && args.beta != 1.0f)) return cudaErrorNotSupported;
@@ -91,6 +91,7 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, 
   p.b_scale = args.b_scale;
   p.maps = reinterpret_cast<const CUtensorMap*>(maps);
   p.tile_counter = reinterpret_cast<int*>(maps + 2 * size_t(g) * sizeof(CUtensorMap));
+  p.dynamic_tiles = fp32_accumulate && cfg.cluster == 1 && wgrad_dynamic_tiles(token_capacity, g) ? 1 : 0;
   p.d = args.d;
   p.out_bf16 = args.wgrad_bf16 ? 1 : 0;
   p.accumulate = args.beta != 0.0f ? 1 : 0;

@@ -44,8 +44,10 @@ struct WgradParams {
   // with (kStoreBoxCols x 16) boxes and 64-byte swizzle (the strip of
   // write_bf16_strip).
   CUtensorMap out_map{};
-  // The dynamic tile feed's counter (cluster 1, tile_feed.cuh), in the
-  // workspace after the maps; the map launch zeroes it.
+  // The main_grad kernels' tile order (tile_feed.cuh): 1 takes tiles from
+  // the counter, in the workspace after the maps (the map launch zeroes it);
+  // 0 round-robin.
+  int dynamic_tiles = 0;
   int* tile_counter = nullptr;
 };
 
@@ -133,8 +135,10 @@ bool wgrad_supports(BlockScaledConfig cfg, int num_groups, bool fp32_accumulate)
 // *bf16_tma_store (if given) = whether a bf16 output left through the TMA
 // strip epilogue (else the staged stores: accumulation, or a map the driver
 // refused).
-cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, BlockScaledConfig cfg, BlockScaledConfig* ran,
-                      bool* bf16_tma_store = nullptr);
+// token_capacity: the tokens the columnwise operands have room for (a host
+// bound on the routed total, which the main_grad kernels' tile order reads).
+cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, int64_t token_capacity, BlockScaledConfig cfg,
+                      BlockScaledConfig* ran, bool* bf16_tma_store = nullptr);
 
 }  // namespace fp8_gemm
 }  // namespace lpmoe

@@ -223,6 +223,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
   const int first_tile = blockIdx.x / Cluster;
   WgradTileFeed<dynamic_feed(Cluster, Fp32Accumulate)> feed{static_cast<int>(gridDim.x / Cluster)};
   if constexpr (dynamic_feed(Cluster, Fp32Accumulate)) {
+    feed.dynamic = p.dynamic_tiles;
     feed.counter = p.tile_counter;
     feed.smem = smem + L::kFeedOffset;
   }
