@@ -80,9 +80,12 @@ def ptxas_spills(kind, width, cluster, variant, tmp):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     found = SPILLS.findall(out.stderr)
-    assert len(found) == 1, f"expected one kernel in ptxas's report:\n{out.stderr[-2000:]}"
+    # The cluster-1 main_grad launch instantiates two kernels: round-robin
+    # tiles and tiles from the counter (tile_feed.cuh).
+    kernels = 2 if (kind, cluster, variant) == ("wgrad", 1, "true") else 1
+    assert len(found) == kernels, f"expected {kernels} kernel(s) in ptxas's report:\n{out.stderr[-2000:]}"
     serialized = [line for line in out.stderr.splitlines() if "wgmma" in line and "serialized" in line]
-    return tuple(int(v) for v in found[0]) + (serialized,)
+    return (max(int(f[0]) for f in found), max(int(f[1]) for f in found), serialized)
 
 
 @pytest.fixture(scope="module")

@@ -88,9 +88,9 @@ inline BlockScaledConfig choose_wgrad_config(int64_t k_cols) {
   return c;
 }
 
-// The main_grad (fp32 accumulate) kernels' tile order (tile_feed.cuh): from
-// the global counter where members average at most kDynamicFeedTokens tokens,
-// round-robin above.  The host sees only the token capacity of the
+// The main_grad (fp32 accumulate) kernels' tile order (tile_feed.cuh): the
+// instantiation that takes tiles from the global counter where members
+// average at most kDynamicFeedTokens tokens, the round-robin one above.  The host sees only the token capacity of the
 // columnwise copies (the total plus up to 128 padding tokens per member),
 // hence the extra block in the bound.  H100, DeepSeek-V3 fc1 / fc2, same
 // call, counter against round-robin (docs/fp8-wgrad-kernel-notes.md, stop

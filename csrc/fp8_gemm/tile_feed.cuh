@@ -21,19 +21,22 @@
 // on; the launch before the kernel (wgrad_maps.cu) zeroes it, which keeps
 // the kernel capturable in a CUDA graph and replayable.
 //
-// Which kernels use it (dynamic_feed): the main_grad kernels of cluster 1,
-// and of their calls those whose members average at most 1024 tokens
-// (wgrad_dynamic_tiles in heuristics.h, with the measurements; longer
-// members gained nothing and lost up to a few percent, so there the ring
-// carries the round-robin order).  The fresh-output kernels keep the
-// round-robin without the ring: with the counter they ran 5-7 % slower on
-// uniform 512-token members (2-4 % faster skewed), while the ring carrying
-// the round-robin order measured as fast as none, so it is the order itself
-// that costs them (not found why; docs/fp8-wgrad-kernel-notes.md, stop 56).
-// Cluster 2 keeps the round-robin: the two CTAs of a cluster multicast one
-// operand tile and must take the same tile, which a counter would have to
-// pass from one to the other through distributed shared memory (and the
-// heuristic never picks cluster 2 for wgrad).
+// Which kernels use it: the main_grad kernels of cluster 1 have an
+// instantiation with the counter, which run_wgrad launches where members
+// average at most 1024 tokens (wgrad_dynamic_tiles in heuristics.h, with the
+// measurements); longer members gained nothing there and lost up to a few
+// percent.  Every other call runs the round-robin kernels, which carry no
+// feed at all (the counter's kernel with the round-robin order published
+// through its ring measured 2-3 % slower than them on long members, same
+// call: the feed's state changed the math warps' code).  The fresh-output
+// kernels ran 5-7 % slower with the counter on uniform 512-token members
+// (2-4 % faster skewed), while the ring carrying the round-robin order
+// measured as fast as none there, so it is the order itself that costs them
+// (not found why; docs/fp8-wgrad-kernel-notes.md, stop 56).  Cluster 2 has no
+// counter kernel: the two CTAs of a cluster multicast one operand tile and
+// must take the same tile, which a counter would have to pass from one to
+// the other through distributed shared memory (and the heuristic never
+// picks cluster 2 for wgrad).
 #pragma once
 
 #include "fp8_gemm/sm90_primitives.cuh"
@@ -43,10 +46,6 @@ namespace lpmoe {
 namespace fp8_gemm {
 
 constexpr int kFeedSlots = kWgradFeedSlots;
-
-__host__ __device__ constexpr bool dynamic_feed(int cluster, bool fp32_accumulate) {
-  return cluster == 1 && fp32_accumulate;
-}
 constexpr int kFeedMathWarps = 8;  // one empty arrival per math warp
 
 template <bool Dynamic>
@@ -70,7 +69,6 @@ struct WgradTileFeed<false> {
 template <>
 struct WgradTileFeed<true> {
   int step;       // the grid: the counter's tiles start after every CTA's first
-  int dynamic;    // 0: the ring carries the round-robin order (heuristics.h decides per call)
   int* counter;   // global, zeroed before the launch
   uint8_t* smem;  // kWgradFeedBytes: full[kFeedSlots], empty[kFeedSlots], tile[kFeedSlots]
   RingPos<kFeedSlots> pos{};
@@ -90,7 +88,7 @@ struct WgradTileFeed<true> {
 
   // Producer side (one thread): the tile after `tile` for this CTA, and
   // handing a tile (or, past the last, the end) to the math warps.
-  __device__ __forceinline__ int claim(int tile) const { return dynamic ? atomicAdd(counter, 1) + step : tile + step; }
+  __device__ __forceinline__ int claim(int) const { return atomicAdd(counter, 1) + step; }
   __device__ __forceinline__ void publish(int tile) {
     Barrier::wait(&empty()[pos.stage], pos.phase ^ 1u);
     tiles()[pos.stage] = tile;
@@ -107,9 +105,6 @@ struct WgradTileFeed<true> {
     pos.next();
     return tile;
   }
-  // The math warps always read the ring: a branch on `dynamic` here made the
-  // width-192 main_grad kernel spill 32 bytes, while the ring with the
-  // round-robin order measured as fast as without it (32 x 512 tokens).
   __device__ __forceinline__ int first(int, int lane) { return take(lane); }
   __device__ __forceinline__ int next(int, int lane) { return take(lane); }
 };

@@ -44,9 +44,9 @@ struct WgradParams {
   // with (kStoreBoxCols x 16) boxes and 64-byte swizzle (the strip of
   // write_bf16_strip).
   CUtensorMap out_map{};
-  // The main_grad kernels' tile order (tile_feed.cuh): 1 takes tiles from
-  // the counter, in the workspace after the maps (the map launch zeroes it);
-  // 0 round-robin.
+  // 1: the main_grad kernel that takes its tiles from the counter
+  // (tile_feed.cuh), in the workspace after the maps (the map launch zeroes
+  // it); 0: round-robin.
   int dynamic_tiles = 0;
   int* tile_counter = nullptr;
 };

@@ -19,9 +19,9 @@
 //   once the next K-block's wgmmas are issued.
 // * Every member has the same tiles, with a member-dependent number of
 //   K-blocks; an empty member's tiles store zeros (or leave an accumulated
-//   output alone), so no separate zeroing launch exists.  The main_grad
-//   kernels take tiles from a global counter as CTAs free up, the others
-//   round-robin (tile_feed.cuh).
+//   output alone), so no separate zeroing launch exists.  Tiles go out
+//   round-robin, or (DynamicTiles: main_grad calls with short members) from
+//   a global counter as CTAs free up (tile_feed.cuh).
 // * Math warpgroup 1 runs half a tile (at most kLead K-blocks) behind
 //   warpgroup 0 (below), so their epilogues do not fall on the same cycles.
 // * The fp32 epilogue goes out through TMA stores of per-warp 16 x 32 boxes
@@ -84,11 +84,10 @@ constexpr int kLeadBarrier = 1;  // NamedBarrier's id (CUTLASS offsets it past i
 // strip, one stage fewer); every other output shares the other
 // instantiation, which carries none of that code (with both in one kernel
 // behind a runtime flag, fresh bf16 calls measured 3-7 % slower, stop 54).
-template <int BlockN, int Cluster, bool Fp32Accumulate>
+template <int BlockN, int Cluster, bool Fp32Accumulate, bool DynamicTiles>
 __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTileOrder<kBandRowTiles / Cluster>& order,
                                            const int* first_block, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                           int rank, WgradTileFeed<dynamic_feed(Cluster, Fp32Accumulate)>& feed,
-                                           int first_tile, int total) {
+                                           int rank, WgradTileFeed<DynamicTiles>& feed, int first_tile, int total) {
 #if LPMOE_SM90A_DEVICE
   using L = WgradLayout<BlockN, Fp32Accumulate>;
   const int warp = threadIdx.x / 32;
@@ -187,8 +186,11 @@ __device__ __forceinline__ void wgrad_math(const WgradParams& p, const WgradTile
 #endif
 }
 
-template <int BlockN, int Cluster, bool Fp32Accumulate>
+// DynamicTiles: tiles from the global counter (tile_feed.cuh; main_grad,
+// cluster 1, chosen per call by run_wgrad), else round-robin.
+template <int BlockN, int Cluster, bool Fp32Accumulate, bool DynamicTiles>
 __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_constant__ WgradParams p) {
+  static_assert(!DynamicTiles || Cluster == 1, "a cluster's CTAs must take the same tiles");
 #if LPMOE_SM90A_DEVICE
   using L = WgradLayout<BlockN, Fp32Accumulate>;
   constexpr int kStages = L::kStages;
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
       Barrier::init(&full[s], 1);
       Barrier::init(&empty[s], 8 * Cluster);  // one arrive per math warp of each CTA
     }
-    if constexpr (dynamic_feed(Cluster, Fp32Accumulate)) WgradTileFeed<true>::init(smem + L::kFeedOffset);
+    if constexpr (DynamicTiles) WgradTileFeed<true>::init(smem + L::kFeedOffset);
     cutlass::arch::fence_barrier_init();
   }
   if (warp == 0) {
@@ -221,9 +223,8 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
                                                        (p.k_cols + BlockN - 1) / BlockN};
   const int total = order.per_member() * p.num_groups;
   const int first_tile = blockIdx.x / Cluster;
-  WgradTileFeed<dynamic_feed(Cluster, Fp32Accumulate)> feed{static_cast<int>(gridDim.x / Cluster)};
-  if constexpr (dynamic_feed(Cluster, Fp32Accumulate)) {
-    feed.dynamic = p.dynamic_tiles;
+  WgradTileFeed<DynamicTiles> feed{static_cast<int>(gridDim.x / Cluster)};
+  if constexpr (DynamicTiles) {
     feed.counter = p.tile_counter;
     feed.smem = smem + L::kFeedOffset;
   }
@@ -287,7 +288,7 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
       }
     }
   } else {
-    wgrad_math<BlockN, Cluster, Fp32Accumulate>(p, order, first_block, smem, full, empty, rank, feed, first_tile, total);
+    wgrad_math<BlockN, Cluster, Fp32Accumulate, DynamicTiles>(p, order, first_block, smem, full, empty, rank, feed, first_tile, total);
   }
   if constexpr (Cluster > 1) cute::cluster_sync();
 #else

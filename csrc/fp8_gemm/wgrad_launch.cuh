@@ -9,10 +9,18 @@
 namespace lpmoe {
 namespace fp8_gemm {
 
+// p.dynamic_tiles picks the main_grad kernel that takes its tiles from the
+// counter (cluster 1 only; tile_feed.cuh).
 template <int BlockN, int Cluster, bool Fp32Accumulate>
 cudaError_t launch_wgrad(const WgradParams& p, int grid, cudaStream_t stream) {
-  return launch_cluster_kernel(fp8_block_wgrad_kernel<BlockN, Cluster, Fp32Accumulate>, grid, Cluster,
-                               WgradLayout<BlockN, Fp32Accumulate>::smem_bytes(p.num_groups), stream, p);
+  const size_t smem = WgradLayout<BlockN, Fp32Accumulate>::smem_bytes(p.num_groups);
+  if constexpr (Fp32Accumulate && Cluster == 1) {
+    if (p.dynamic_tiles) {
+      return launch_cluster_kernel(fp8_block_wgrad_kernel<BlockN, 1, true, true>, grid, 1, smem, stream, p);
+    }
+  }
+  return launch_cluster_kernel(fp8_block_wgrad_kernel<BlockN, Cluster, Fp32Accumulate, false>, grid, Cluster, smem,
+                               stream, p);
 }
 
 #define LPMOE_INSTANTIATE_WGRAD(N, FP32_ACCUMULATE)                                               \
