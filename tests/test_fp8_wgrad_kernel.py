@@ -13,7 +13,7 @@ from lpmoe import Float8BlockQuantizer
 from lpmoe.gemm import CALLS, fp8_kernel_key, fp8_wgrad_kernel_config, reference_grouped_gemm
 from lpmoe.gemm.operands import parse_operands
 
-from conftest import FP8_GEMM_SPLITS, assert_replays_match_eager, requires_cuda
+from conftest import FP8_GEMM_SPLITS, assert_replays_match_eager, capture_graph, requires_cuda
 
 Q1 = Float8BlockQuantizer(block_dim=1)
 CONFIGS = [(w, c) for w in (128, 192) for c in (1, 2)] + [(-1, 0)]
@@ -150,19 +150,25 @@ def _tile_counter(g):
 
 
 @requires_cuda
-@pytest.mark.parametrize("splits,dynamic", [([4096] + [256] * 31, True), ([512] * 32, True), ([2048] * 8, False)],
-                         ids=["skewed", "uniform", "long"])
+@pytest.mark.parametrize("splits,dynamic", [
+    ([4096] + [256] * 28 + [0, 1, 127], True),  # long member first, short ones, an empty and 1-token member
+    ([512] * 32, True),
+    ([2048] * 8, False),
+    ([1025] * 8, True),  # the rule's edge: capacity 1025 + 127 = 1152 tokens per member
+    ([1026] * 8, False),
+], ids=["skewed", "uniform", "long", "edge_1025", "edge_1026"])
 def test_gpu_wgrad_dynamic_tile_feed(splits, dynamic):
     """The main_grad kernels of cluster 1 take their tiles from a global
-    counter where members average at most 1024 tokens (heuristics.h; 5-22
-    tiles per CTA here; skewed: one long member's tiles, then 31 short
-    members'): every tile is claimed exactly once (each CTA's first tile is
-    its block index, each later one and the final past-the-end claim an
-    atomic add, so the counter ends at the tile count), the counter starts
-    over every call, and the result equals the round-robin cluster-2
-    kernel's bitwise.  Longer members, fresh outputs and cluster 2 keep the
-    round-robin (the counter stays 0), and their NaN-poisoned outputs agree
-    bitwise too."""
+    counter where members average at most 1024 tokens (heuristics.h; 5-31
+    tiles per CTA here; skewed: one long member's tiles, then short
+    members', an empty one and a 1-token one): the counter ends at the tile
+    count after every call (every CTA claims once per tile after its first,
+    plus once past the end: this shows which kernel ran and that the map
+    launch reset the counter), and the accumulated result equals the
+    round-robin cluster-2 kernel's bitwise (a tile skipped would leave old
+    values, one done twice would add twice).  Longer members, fresh outputs
+    and cluster 2 keep the round-robin (the counter stays 0), and their
+    NaN-poisoned outputs agree bitwise too."""
     g, n, k = len(splits), 1024, 2048
     dyg, xg, _, _ = _case(splits, n, k, seed=56)
     old = torch.randn(g, n, k, device="cuda")
@@ -185,6 +191,40 @@ def test_gpu_wgrad_dynamic_tile_feed(splits, dynamic):
                 results[config, out] = d
     assert not bool(results[(192, 2), "fp32"].isnan().any())
     assert torch.equal(results[(192, 2), "acc"], old + results[(192, 2), "fp32"])
+
+
+@requires_cuda
+def test_gpu_wgrad_dynamic_tile_feed_graph_replay():
+    """The counter kernel in a CUDA graph with new routing per replay, ~21
+    tiles per CTA: the captured map launch zeroes the counter on every
+    replay (left at the last replay's end, it would hand out no tile past
+    each CTA's first), so each replay's main_grad accumulation equals an
+    eager call bitwise and the counter ends at the tile count."""
+    g, n, k, rows = 32, 1024, 2048, 16384
+    tiles = (n // 128) * -(-k // 192) * g
+    dy = torch.randn(rows, n, device="cuda").bfloat16()
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    m = torch.tensor([512] * g, device="cuda")
+    base = torch.randn(g, n, k, device="cuda")
+    main_grad = torch.empty_like(base)
+
+    def step():
+        dyg = lpmoe.group_quantize(dy, Q1, num_tensors=g, first_dims=m)
+        xg = lpmoe.group_quantize(x, Q1, num_tensors=g, first_dims=m)
+        main_grad.copy_(base)
+        with fp8_wgrad_kernel_config(192, 1):
+            lpmoe.grouped_gemm(dyg, xg, kind="wgrad", out=main_grad, accumulate=True, backend="grouped")
+        return main_grad.clone()
+
+    graph, static = capture_graph(step)
+    for splits in ([512] * g, [8192] + [256] * (g - 1), [0, 1, 127] + [500] * (g - 3)):
+        m.copy_(torch.tensor(splits))
+        dy.copy_(torch.randn_like(dy))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _tile_counter(g) == tiles
+        assert torch.equal(static, step())
 
 
 @requires_cuda
@@ -255,8 +295,8 @@ def test_gpu_wgrad_no_tokens_at_all(acc):
 
 @requires_cuda
 def test_gpu_wgrad_group_count_limits():
-    """Past the width-192 member table (3291 groups) the automatic choice
-    takes width 128 (7383); past that the CUTLASS kernel runs; a pinned width
+    """Past the width-192 member table (3311 groups) the automatic choice
+    takes width 128 (7403); past that the CUTLASS kernel runs; a pinned width
     whose table is too small is refused clearly."""
     n, k = 128, 384  # the cost model prefers 192 here
     from lpmoe._ext import ext
@@ -283,7 +323,7 @@ def test_gpu_wgrad_group_count_limits():
 @requires_cuda
 def test_gpu_wgrad_main_grad_kernels_group_limit():
     """The main_grad (fp32 accumulate) kernels stage a warp's whole fp32
-    strip, which leaves their width-192 member table 1567 groups (3291 for
+    strip, which leaves their width-192 member table 1567 groups (3311 for
     the others): at 1600 groups fresh output still runs width 192,
     accumulation takes width 128 and adds exactly the fresh result, and
     pinning width 192 for it is refused clearly."""

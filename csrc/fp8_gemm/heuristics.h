@@ -90,16 +90,17 @@ inline BlockScaledConfig choose_wgrad_config(int64_t k_cols) {
 
 // The main_grad (fp32 accumulate) kernels' tile order (tile_feed.cuh): the
 // instantiation that takes tiles from the global counter where members
-// average at most kDynamicFeedTokens tokens, the round-robin one above.  The host sees only the token capacity of the
-// columnwise copies (the total plus up to 128 padding tokens per member),
-// hence the extra block in the bound.  H100, DeepSeek-V3 fc1 / fc2, same
-// call, counter against round-robin (docs/fp8-wgrad-kernel-notes.md, stop
-// 56): 32 x 512 tokens 9-13 % faster uniform and skewed, 64 members
-// averaging 1024 with half the tokens in one 13-16 % faster, 32 x 1024
-// uniform 1 % slower; 32 x 2048, 8 x 4096 and 8 x 8192 between 3 % faster
-// and 5 % slower (fc1 8 x 8192 uniform 4-5 % slower in both rounds).
-// The fresh-output kernels keep the round-robin everywhere (5-7 % slower
-// with the counter on uniform 512-token members).
+// average at most kDynamicFeedTokens tokens, otherwise the round-robin one.
+// The host sees only the token capacity of the columnwise copies (lpmoe's
+// layouts: the total plus 127 tokens per member, each member padded to
+// whole 128-token blocks), hence the extra block in the bound.  H100,
+// DeepSeek-V3 fc1 / fc2, same call, counter against round-robin
+// (docs/fp8-wgrad-kernel-notes.md, stop 56): 32 x 512 tokens 9-13 % faster
+// uniform and skewed, 64 members averaging 1024 with half the tokens in one
+// 13-16 % faster, 32 x 1024 uniform 1 % slower; 32 x 2048, 8 x 4096 and
+// 8 x 8192 between 3 % faster and 5 % slower (fc1 8 x 8192 uniform 4-5 %
+// slower in both rounds).  The fresh-output kernels keep the round-robin
+// everywhere (5-7 % slower with the counter on uniform 512-token members).
 constexpr int64_t kDynamicFeedTokens = 1024;
 
 inline bool wgrad_dynamic_tiles(int64_t token_capacity, int num_groups) {

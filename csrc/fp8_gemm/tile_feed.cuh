@@ -46,6 +46,13 @@ namespace lpmoe {
 namespace fp8_gemm {
 
 constexpr int kFeedSlots = kWgradFeedSlots;
+
+// CUTLASS's mbarrier wait and arrive are asm statements without a memory
+// clobber, so the compiler may move plain shared-memory accesses across
+// them; the slot's index must be read after the wait and written between
+// the wait for a free slot and the arrive.  (The hardware side is the
+// barriers' acquire and release.)
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
 constexpr int kFeedMathWarps = 8;  // one empty arrival per math warp
 
 template <bool Dynamic>
@@ -91,7 +98,9 @@ struct WgradTileFeed<true> {
   __device__ __forceinline__ int claim(int) const { return atomicAdd(counter, 1) + step; }
   __device__ __forceinline__ void publish(int tile) {
     Barrier::wait(&empty()[pos.stage], pos.phase ^ 1u);
+    compiler_fence();
     tiles()[pos.stage] = tile;
+    compiler_fence();
     Barrier::arrive(&full()[pos.stage]);  // release: the index is visible to the waiters
     pos.next();
   }
@@ -99,6 +108,7 @@ struct WgradTileFeed<true> {
   // Math side (every math thread): the producer's next tile.
   __device__ __forceinline__ int take(int lane) {
     Barrier::wait(&full()[pos.stage], pos.phase);
+    compiler_fence();
     const int tile = tiles()[pos.stage];
     __syncwarp();  // every lane has read the slot before lane 0 frees it
     if (lane == 0) Barrier::arrive(&empty()[pos.stage]);

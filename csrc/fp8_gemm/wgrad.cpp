@@ -12,9 +12,9 @@ namespace fp8_gemm {
 namespace {
 
 // The main_grad kernels have their own shared-memory plan, hence their own
-// member-table limit (1567 groups at width 192 against 3291; 7643 at 128
-// against 7383, one stage fewer leaving more room; each 20 fewer since the
-// tile feed's ring took shared memory, stop 56).
+// member-table limit (1567 groups at width 192 against 3311; 7643 at 128
+// against 7403, one stage fewer leaving more room; 20 fewer each since the
+// tile feed's ring, stop 56).
 template <int BlockN>
 bool wgrad_fits(int num_groups, bool fp32_accumulate) {
   const int limit = fp32_accumulate ? WgradLayout<BlockN, true>::max_groups() : WgradLayout<BlockN>::max_groups();

@@ -98,8 +98,10 @@ struct WgradLayout {
   static constexpr int kEpilogueOffset = kStages * kStageBytes;
   static constexpr int kScaleOffset = kEpilogueOffset + kEpilogueBytes;
   static constexpr int kBarOffset = kScaleOffset + kStages * kScaleStageBytes;
+  // The tile feed's ring (tile_feed.cuh), in the main_grad plan only (its
+  // cluster-1 kernels may take tiles from the counter).
   static constexpr int kFeedOffset = kBarOffset + 2 * kStages * 8;
-  static constexpr int kTableOffset = kFeedOffset + kWgradFeedBytes;
+  static constexpr int kTableOffset = kFeedOffset + (Fp32Strip ? kWgradFeedBytes : 0);
   // The table: each member's first 128-token block (G+1 ints).
   static constexpr size_t smem_bytes(int groups) { return 1024 + kTableOffset + 4 * (size_t(groups) + 1); }
   static constexpr int max_groups() { return (kSmemLimit - 1024 - kTableOffset) / 4 - 1; }

@@ -237,7 +237,8 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
       const int64_t b_ld = (p.k_cols + 3) / 4 * 4;
       int member = -1;
       RingPos<kStages> pos;
-      // The math warps learn each tile from the feed, the end included.
+      // In the DynamicTiles kernel the math warps learn each tile from the
+      // feed, the end included; in the others publish does nothing.
       feed.publish(first_tile);
       for (int tile = first_tile, next; tile < total; feed.publish(tile = next)) {
         next = feed.claim(tile);  // before the loads, which hide its latency
