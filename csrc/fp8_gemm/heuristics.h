@@ -1,6 +1,6 @@
 // Configuration choice of the block-scaled fprop/dgrad and wgrad kernels:
-// the one place where a configuration is picked from the shape (see docs/gemm-notes.md for
-// the measurements behind the cost model).
+// the one place where a configuration is picked from the shape (see
+// docs/gemm-notes.md for the measurements behind the cost model).
 #pragma once
 
 #include <cstdint>

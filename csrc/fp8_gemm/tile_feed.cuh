@@ -46,6 +46,7 @@ namespace lpmoe {
 namespace fp8_gemm {
 
 constexpr int kFeedSlots = kWgradFeedSlots;
+constexpr int kFeedMathWarps = 8;  // one empty arrival per math warp
 
 // CUTLASS's mbarrier wait and arrive are asm statements without a memory
 // clobber, so the compiler may move plain shared-memory accesses across
@@ -53,7 +54,6 @@ constexpr int kFeedSlots = kWgradFeedSlots;
 // the wait for a free slot and the arrive.  (The hardware side is the
 // barriers' acquire and release.)
 __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
-constexpr int kFeedMathWarps = 8;  // one empty arrival per math warp
 
 template <bool Dynamic>
 struct WgradTileFeed;

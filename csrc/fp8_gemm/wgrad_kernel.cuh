@@ -289,7 +289,8 @@ __global__ void __launch_bounds__(384, 1) fp8_block_wgrad_kernel(const __grid_co
       }
     }
   } else {
-    wgrad_math<BlockN, Cluster, Fp32Accumulate, DynamicTiles>(p, order, first_block, smem, full, empty, rank, feed, first_tile, total);
+    wgrad_math<BlockN, Cluster, Fp32Accumulate, DynamicTiles>(p, order, first_block, smem, full, empty, rank, feed,
+                                                              first_tile, total);
   }
   if constexpr (Cluster > 1) cute::cluster_sync();
 #else
