@@ -14,11 +14,22 @@ which the device computes in one launch (lpmoe.grouped_offsets).
 """
 from __future__ import annotations
 
+import enum
 from typing import Dict, Optional
+
+import torch
 
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 
-__all__ = ["PADDED_ROW_ALIGNS", "member_sizes", "capacity_sizes", "BUFFERS", "cdiv", "rup"]
+__all__ = ["ShapeKind", "PADDED_ROW_ALIGNS", "member_sizes", "capacity_sizes", "buffer_dtypes", "BUFFERS", "cdiv", "rup"]
+
+class ShapeKind(enum.Enum):
+    """Which member dims vary (lpmoe.grouped_tensor's module docstring)."""
+    SAME_SHAPE = "same_shape"
+    VARYING_FIRST = "varying_first"
+    VARYING_LAST = "varying_last"
+    VARYING_BOTH = "varying_both"
+
 
 #: alignments of the rows of padded_row_offsets (row index r -> multiple)
 PADDED_ROW_ALIGNS = (1, 4, 64, 128, 512)
@@ -116,11 +127,27 @@ def capacity_sizes(quantizer: Optional[Quantizer], num_tensors: int, rows: int, 
     raise TypeError(f"unsupported quantizer {type(q).__name__}")
 
 
-def output_buffer(numel: int, dtype, device) -> "torch.Tensor":
+def output_buffer(numel: int, dtype, device) -> torch.Tensor:
     """A flat output buffer.  On the GPU uninitialised (kernels write what
     the layout defines, padding and capacity tails stay untouched); on the
     CPU zero-filled, so reference results -- padding included -- are
     deterministic (what opcheck compares between eager and traced runs)."""
-    import torch
     dev = torch.device(device)
     return (torch.zeros if dev.type == "cpu" else torch.empty)(numel, dtype=dtype, device=dev)
+
+
+def buffer_dtypes(quantizer: Optional[Quantizer], dtype: torch.dtype) -> dict:
+    """Element type of each buffer a group of ``quantizer`` (None: high
+    precision in ``dtype``) holds."""
+    if quantizer is None:
+        return {b: dtype for b in BUFFERS}
+    if isinstance(quantizer, Float8BlockQuantizer):
+        d, s = quantizer.fp8_dtype, torch.float32
+    elif isinstance(quantizer, MXFP8Quantizer):
+        d, s = quantizer.fp8_dtype, torch.uint8
+    elif isinstance(quantizer, NVFP4Quantizer):
+        d, s = torch.uint8, torch.float8_e4m3fn
+    else:
+        raise TypeError(f"unsupported quantizer {type(quantizer).__name__}")
+    return {"rowwise_data": d, "columnwise_data": d, "scale_inv": s, "columnwise_scale_inv": s,
+            "amax": torch.float32, "columnwise_amax": torch.float32}

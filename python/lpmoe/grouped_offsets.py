@@ -14,6 +14,9 @@ N+1 int64 entries.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -25,7 +28,7 @@ from lpmoe._ext import ext
 from lpmoe.library.routing import OPS, tracing
 
 __all__ = ["OffsetsResult", "splits_to_offsets", "offsets_bulk_of", "offsets_pitch", "STATUS_NEGATIVE_SPLIT",
-           "STATUS_ABOVE_CAPACITY"]
+           "STATUS_ABOVE_CAPACITY", "sharing_offsets", "shares_offsets", "offsets_memo"]
 
 STATUS_NEGATIVE_SPLIT = 1
 STATUS_ABOVE_CAPACITY = 2
@@ -196,3 +199,52 @@ def offsets_bulk(splits, n: int, uniform_split: int, strides: List[int], aligns:
         torch.cumsum(v, 0, out=bulk[j * pitch + 1:j * pitch + n + 1])
     bulk[pitch * len(strides)] = status
     return bulk
+
+
+# --------------------------------------------------- sharing within one call
+class _Scopes(threading.local):
+    def __init__(self):
+        #: offsets memos of this thread's active sharing_offsets scopes (innermost last)
+        self.stack: List[dict] = []
+
+
+# Per thread: a buffer made for later calls on a helper thread
+# (lpmoe._persistent) must not take offsets its caller's scope made.
+_OFFSET_SCOPES = _Scopes()
+
+
+@contextlib.contextmanager
+def sharing_offsets():
+    """Inside this scope, groups made with the same dims tensor (the same
+    object) and the same logical shape share one offsets computation, and
+    token-row groups of another width over the same dims and rows share its
+    row offsets (their element offsets derived, see
+    lpmoe.grouped_tensor.GroupedTensor._compute_offsets).  A layer call builds several groups over
+    one routing (x, the activation, the gradients, each weight twice); at
+    launch-bound sizes each launch costs more host time than its kernel.  Scoped to one call, so the dims
+    cannot change in between and a CUDA-graph capture of the call records
+    every offsets launch it reads (new routing per replay stays correct);
+    the same objects are shared on fake tensors, so traced and real saved
+    layouts agree."""
+    stack = _OFFSET_SCOPES.stack
+    stack.append({})
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def shares_offsets(fn):
+    """Run ``fn`` in a :func:`sharing_offsets` scope."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with sharing_offsets():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def offsets_memo() -> Optional[dict]:
+    """The innermost :func:`sharing_offsets` scope's memo on this thread, or
+    None outside every scope."""
+    stack = _OFFSET_SCOPES.stack
+    return stack[-1] if stack else None

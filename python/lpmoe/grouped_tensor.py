@@ -19,20 +19,18 @@ except the methods documented as host-syncing (``split``, ``members``,
 """
 from __future__ import annotations
 
-import contextlib
-import enum
-import functools
-import threading
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from lpmoe import _sizes
+from lpmoe import _sizes, grouped_members
 from lpmoe._async_inputs import ready
-from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, capacity_sizes, member_sizes, output_buffer
-from lpmoe.grouped_offsets import offsets_bulk_of, offsets_pitch, splits_to_offsets
+from lpmoe.grouped_checks import as_dims, check_buffers, check_host_sums, check_tensor_offsets
+from lpmoe.grouped_layout import PADDED_ROW_ALIGNS, ShapeKind, buffer_dtypes, capacity_sizes, output_buffer
+from lpmoe.grouped_offsets import (offsets_bulk_of, offsets_memo, offsets_pitch, shares_offsets, sharing_offsets,
+                                   splits_to_offsets)
 from lpmoe.library.routing import tracing
-from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer, shared_copy
+from lpmoe.quantizers import Quantizer, shared_copy
 from lpmoe.reference.numerics import check_float_matrix
 
 __all__ = ["GroupedTensor", "ShapeKind", "sharing_offsets", "shares_offsets"]
@@ -44,70 +42,8 @@ _TENSOR_FIELDS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_sc
                   "first_dims", "last_dims", "tensor_offsets", "padded_row_offsets")
 
 
-class _Scopes(threading.local):
-    def __init__(self):
-        #: offsets memos of this thread's active sharing_offsets scopes (innermost last)
-        self.stack: List[dict] = []
-
-
-# Per thread: a buffer made for later calls on a helper thread
-# (lpmoe._persistent) must not take offsets its caller's scope made.
-_OFFSET_SCOPES = _Scopes()
-
 # derived element offsets are the align-1 row offsets times the width
 _ALIGN_ONE = PADDED_ROW_ALIGNS.index(1)
-
-
-@contextlib.contextmanager
-def sharing_offsets():
-    """Inside this scope, groups made with the same dims tensor (the same
-    object) and the same logical shape share one offsets computation, and
-    token-row groups of another width over the same dims and rows share its
-    row offsets (their element offsets derived, see
-    GroupedTensor._compute_offsets).  A layer call builds several groups over
-    one routing (x, the activation, the gradients, each weight twice); at
-    launch-bound sizes each launch costs more host time than its kernel.  Scoped to one call, so the dims
-    cannot change in between and a CUDA-graph capture of the call records
-    every offsets launch it reads (new routing per replay stays correct);
-    the same objects are shared on fake tensors, so traced and real saved
-    layouts agree."""
-    stack = _OFFSET_SCOPES.stack
-    stack.append({})
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def shares_offsets(fn):
-    """Run ``fn`` in a :func:`sharing_offsets` scope."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with sharing_offsets():
-            return fn(*args, **kwargs)
-    return wrapped
-
-
-class ShapeKind(enum.Enum):
-    SAME_SHAPE = "same_shape"
-    VARYING_FIRST = "varying_first"
-    VARYING_LAST = "varying_last"
-    VARYING_BOTH = "varying_both"
-
-
-def _as_dims(dims, name: str, n: int, device: torch.device) -> torch.Tensor:
-    """Validate a per-member dims tensor; convert to int64 (device op, no sync)."""
-    if not isinstance(dims, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32/int64, got {type(dims).__name__}")
-    if dims.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {dims.dtype}")
-    if dims.dim() != 1 or dims.numel() != n:
-        raise ValueError(f"{name} must be 1-D with num_tensors={n} entries, got shape {tuple(dims.shape)}")
-    if dims.device != device:
-        raise ValueError(f"{name} must be on {device} (the data's device), got {dims.device}")
-    if dims.device.type == "cpu" and not tracing() and bool((dims < 0).any()):
-        raise ValueError(f"{name} must be non-negative, got {dims.tolist()}")
-    return dims.to(torch.int64).contiguous()
 
 
 class GroupedTensor:
@@ -173,29 +109,22 @@ class GroupedTensor:
         self.columnwise_scale_inv = columnwise_scale_inv
         self.amax = amax
         self.columnwise_amax = columnwise_amax
-        self.first_dims = None if first_dims is None else _as_dims(first_dims, "first_dims", n, device)
-        self.last_dims = None if last_dims is None else _as_dims(last_dims, "last_dims", n, device)
+        self.first_dims = None if first_dims is None else as_dims(first_dims, "first_dims", n, device)
+        self.last_dims = None if last_dims is None else as_dims(last_dims, "last_dims", n, device)
         self.with_gemm_swizzled_scales = bool(with_gemm_swizzled_scales)
 
         rows, cols = logical_shape
         kind = self.shape_kind
-        self._check_buffers()
+        check_buffers(self)
         if kind is ShapeKind.SAME_SHAPE and rows % n:
             raise ValueError(f"same-shape group: logical rows {rows} not divisible by num_tensors {n}")
         if kind is ShapeKind.VARYING_BOTH and rows != 1:
             raise ValueError(f"varying-both groups have logical shape (1, total elements), got {logical_shape}")
         if device.type == "cpu" and not tracing():  # (traced: fake tensors hold no values)
-            self._check_host_sums()  # host-visible: check sums now (no sync involved)
+            check_host_sums(self)  # host-visible: check sums now (no sync involved)
 
         if tensor_offsets is not None:
-            if tensor_offsets.dtype != torch.int64 or tensor_offsets.dim() != 1:
-                raise TypeError(f"tensor_offsets must be 1-D int64, got {tensor_offsets.dtype} "
-                                f"shape {tuple(tensor_offsets.shape)}")
-            if tensor_offsets.numel() != n + 1:
-                raise ValueError(f"tensor_offsets must have num_tensors+1 = {n + 1} entries (CSR), "
-                                 f"got {tensor_offsets.numel()}")
-            if tensor_offsets.device != device:
-                raise ValueError(f"tensor_offsets must be on {device}, got {tensor_offsets.device}")
+            check_tensor_offsets(tensor_offsets, n, device)
         if not _trusted_offsets:
             padded_row_offsets = None
         if padded_row_offsets is not None and tuple(padded_row_offsets.shape) != (len(PADDED_ROW_ALIGNS), n + 1):
@@ -212,38 +141,6 @@ class GroupedTensor:
             self._compute_offsets(element_offsets=given is None)
             if given is not None:
                 self.tensor_offsets = given
-
-    def _check_buffers(self) -> None:
-        """Every buffer has the dtype of its format and at least the size the
-        layout needs, so no kernel can read or write past it."""
-        rows, cols = self.logical_shape
-        q = self.quantizer
-        if q is None:
-            for name in ("rowwise_data", "columnwise_data"):
-                b = getattr(self, name)
-                if b is None:
-                    continue
-                if b.dtype != self.dtype:
-                    raise TypeError(f"{name} has dtype {b.dtype}, expected {self.dtype} (the group's dtype)")
-                if b.numel() < rows * cols:
-                    raise ValueError(f"{name} holds {b.numel()} elements, the logical shape {self.logical_shape} "
-                                     f"needs {rows * cols}")
-            return
-        dtypes = _buffer_dtypes(q, self.dtype)
-        if self.shape_kind in (ShapeKind.SAME_SHAPE, ShapeKind.VARYING_FIRST):
-            need = capacity_sizes(q, self.num_tensors, rows, cols, uniform=self.shape_kind is ShapeKind.SAME_SHAPE)
-        else:
-            per = 32 if isinstance(q, MXFP8Quantizer) else 1
-            need = {"rowwise_data": rows * cols, "columnwise_data": rows * cols, "scale_inv": rows * cols // per,
-                    "columnwise_scale_inv": rows * cols // per, "amax": 0, "columnwise_amax": 0}
-        for name, size in need.items():
-            b = getattr(self, name)
-            if b is None:
-                continue
-            if b.dtype != dtypes[name]:
-                raise TypeError(f"{name} has dtype {b.dtype}, expected {dtypes[name]} for {type(q).__name__}")
-            if b.numel() < size:
-                raise ValueError(f"{name} holds {b.numel()} elements, this layout needs {size}")
 
     # ------------------------------------------------------------------ shape
     @property
@@ -280,16 +177,6 @@ class GroupedTensor:
             return self.logical_shape[1]
         return None
 
-    def _check_host_sums(self) -> None:
-        rows, cols = self.logical_shape
-        kind = self.shape_kind
-        if kind is ShapeKind.VARYING_FIRST and int(self.first_dims.sum()) > rows:
-            raise ValueError(f"sum of first_dims ({int(self.first_dims.sum())}) exceeds the buffer's rows ({rows})")
-        if kind is ShapeKind.VARYING_LAST and int(self.last_dims.sum()) > cols:
-            raise ValueError(f"sum of last_dims ({int(self.last_dims.sum())}) exceeds the logical columns ({cols})")
-        if kind is ShapeKind.VARYING_BOTH and int((self.first_dims * self.last_dims).sum()) > cols:
-            raise ValueError("sum of first_dims*last_dims exceeds the buffer's elements")
-
     # ---------------------------------------------------------------- offsets
     def _compute_offsets(self, element_offsets: bool = True) -> None:
         """Fill tensor_offsets (+ padded_row_offsets) in one device launch,
@@ -311,8 +198,7 @@ class GroupedTensor:
         kind = self.shape_kind
         dev = self.device
         by_rows = kind is ShapeKind.VARYING_FIRST
-        scopes = _OFFSET_SCOPES.stack
-        memo = scopes[-1] if scopes else None
+        memo = offsets_memo()
         hit = key = None
         if memo is not None:
             # Keyed by the dims' identity, so built only inside a scope (the layer
@@ -463,7 +349,7 @@ class GroupedTensor:
             device = first_dims.device if first_dims is not None else torch.device("cuda")
         device = torch.device(device)
         sizes = capacity_sizes(quantizer, num_tensors, rows, k, uniform=first_dims is None)
-        buf_dtype = _buffer_dtypes(quantizer, dtype)
+        buf_dtype = buffer_dtypes(quantizer, dtype)
         bufs = {}
         for name, size in sizes.items():
             if quantizer is None:
@@ -549,78 +435,16 @@ class GroupedTensor:
     # ------------------------------------------------------------ host views
     def member_shapes(self) -> List[Tuple[int, int]]:
         """Per-member (M_t, K_t).  Reads device dims: **host sync**."""
-        n = self.num_tensors
-        m = [self.common_first_dim] * n if self.first_dims is None else self.first_dims.tolist()
-        k = [self.common_last_dim] * n if self.last_dims is None else self.last_dims.tolist()
-        if self.shape_kind is ShapeKind.VARYING_LAST:
-            m = [self.logical_shape[0]] * n
-        return list(zip(m, k))
+        return grouped_members.member_shapes(self)
 
     def split(self) -> list:
-        """Per-member views (no copies).  **Host sync** (reads dims).
-
-        High precision: a list of (M_t, K_t) tensors.  Quantized: a list of
-        dicts with the member's buffers as single-tensor views, shaped as the
-        quantizer's single-tensor layout (FP8-block columnwise data keeps its
-        128-token padding: shape (K, round_up(M_t, 128)))."""
-        out = []
-        base = {}
-        for m, k in self.member_shapes():
-            if self.quantizer is None:
-                off = base.get("rowwise_data", 0)
-                out.append(self.rowwise_data[off:off + m * k].view(m, k))
-                base["rowwise_data"] = off + m * k
-                continue
-            out.append(self._member_views(m, k, base))
-        return out
+        """Per-member views (no copies).  **Host sync** (reads dims); see
+        :func:`lpmoe.grouped_members.split_members`."""
+        return grouped_members.split_members(self)
 
     members = split
-
-    def _member_views(self, m: int, k: int, base: dict) -> dict:
-        q = self.quantizer
-        sizes = member_sizes(q, m, k)
-        view = {"shape": (m, k)}
-        for name, size in sizes.items():
-            buf = getattr(self, name)
-            off = base.get(name, 0)
-            if buf is None or size == 0:
-                view[name] = None
-                continue
-            flat = buf[off:off + size]
-            view[name] = flat.view(_member_view_shape(q, name, m, k, self.with_gemm_swizzled_scales))
-            base[name] = off + size
-        return view
 
     def __repr__(self):
         return (f"GroupedTensor(num_tensors={self.num_tensors}, kind={self.shape_kind.value}, "
                 f"logical_shape={self.logical_shape}, dtype={self.dtype}, quantizer={self.quantizer!r}, "
                 f"device={self.device})")
-
-
-def _buffer_dtypes(quantizer: Optional[Quantizer], dtype: torch.dtype) -> dict:
-    if quantizer is None:
-        return {b: dtype for b in ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv",
-                                   "amax", "columnwise_amax")}
-    if isinstance(quantizer, Float8BlockQuantizer):
-        d, s = quantizer.fp8_dtype, torch.float32
-    elif isinstance(quantizer, MXFP8Quantizer):
-        d, s = quantizer.fp8_dtype, torch.uint8
-    elif isinstance(quantizer, NVFP4Quantizer):
-        d, s = torch.uint8, torch.float8_e4m3fn
-    else:
-        raise TypeError(f"unsupported quantizer {type(quantizer).__name__}")
-    return {"rowwise_data": d, "columnwise_data": d, "scale_inv": s, "columnwise_scale_inv": s,
-            "amax": torch.float32, "columnwise_amax": torch.float32}
-
-
-def _member_view_shape(q: Quantizer, name: str, m: int, k: int, swizzled: bool):
-    if name in ("amax", "columnwise_amax"):
-        return (1,)
-    colwise = name.startswith("columnwise")
-    if name.endswith("data"):
-        if isinstance(q, Float8BlockQuantizer) and colwise:
-            return (k, -(-m // 128) * 128)
-        return q.get_data_shape((m, k), columnwise=colwise)
-    if swizzled:
-        return (-1,)
-    return q.get_scale_shape((m, k), columnwise=colwise)
