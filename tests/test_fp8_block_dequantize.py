@@ -1,11 +1,13 @@
 """FP8 block dequantize kernels: which kernel reads which source, and their
 bits against the CPU reference on every FP8 code.
 
-The columnwise (transposed) source has two GPU readers
+The columnwise (transposed) source has three GPU readers
 (csrc/fp8_block/dequant_columns.cuh): the staged tile (two token tiles per
 CTA through shared memory) wherever every K row of a tile holds 128 token
-bytes, and the register tile elsewhere.  Each call's kernel is counted, so a
-silent switch to the other one fails here.
+bytes, whose 16-bit output leaves through TMA stores of whole token tiles
+when the output's base takes a tensor map (16-byte stores otherwise, and for
+fp32), and the register tile elsewhere.  Each call's kernel is counted, so a
+silent switch to another one fails here.
 """
 import pytest
 import torch
@@ -19,7 +21,19 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 def _launches():
     from lpmoe._ext import ext
-    return ext().fp8_block_dequantize_kernel_launches()  # (rows, columns staged, columns registers)
+    # (rows, columns staged with 16-byte stores, columns registers, columns staged with TMA stores)
+    return ext().fp8_block_dequantize_kernel_launches()
+
+
+ROWS, STAGED, REGISTERS, STAGED_TMA = range(4)
+
+
+def _ran(before, after):
+    return tuple(a - b for a, b in zip(after, before))
+
+
+def _one(kernel):
+    return tuple(int(i == kernel) for i in range(4))
 
 
 def _random_codes_(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -77,26 +91,54 @@ def test_gpu_group_dequantize_columns_staged_every_code(fp8, block_dim, out_dtyp
     before = _launches()
     yg = lpmoe.group_dequantize(gg, out_dtype)
     torch.cuda.synchronize()
-    after = _launches()
-    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (0, 1, 0)
+    # 16-bit outputs leave through TMA stores (whole token tiles) and 16-byte
+    # stores (the members' partial last tiles); fp32 through 16-byte stores.
+    kernel = STAGED if out_dtype == torch.float32 else STAGED_TMA
+    assert _ran(before, _launches()) == _one(kernel)
     yc = lpmoe.group_dequantize(gc, out_dtype)
     n = sum(splits) * k
     assert _same(yc.rowwise_data[:n], yg.rowwise_data[:n])
     # The same launch into a poisoned output of our own: the valid rows
-    # equal, the capacity tail's bytes untouched.
+    # equal, the capacity tail's bytes untouched (no TMA box reaches past a
+    # member's rows).
     from lpmoe._ext import ext
     from lpmoe._op_utils import max_row_tiles
     rows = gg.logical_shape[0]
     out = poison_(torch.empty(rows * k, dtype=out_dtype, device="cuda"))
+    before = _launches()
     ext().fp8_block_dequantize(gg.columnwise_data, gg.columnwise_scale_inv, True, True, fp8 == E5M2, block_dim,
                                rows, k, gg.padded_row_offsets, gg.num_tensors, out, max_row_tiles(gg))
+    torch.cuda.synchronize()
+    assert _ran(before, _launches()) == _one(kernel)
     assert torch.equal(out[:n].view(torch.uint8), yg.rowwise_data[:n].view(torch.uint8))
     assert bool((out[n:].view(torch.uint8) == 0xA5).all())
 
 
 @requires_cuda
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_gpu_group_dequantize_whole_tiles_through_tma_stores(out_dtype):
+    # Every member a whole number of token tiles (every tile leaves by a bulk
+    # tensor store, none by 16-byte stores), chunks of two tiles from two
+    # members, an empty member, a partial last K tile (272 = 2 x 128 + 16)
+    # that the unit clips, and no capacity tail: the boxes reach the
+    # output's last row.
+    splits = [256, 0, 128, 384, 128]
+    k = 272
+    q = Float8BlockQuantizer(E4M3, block_dim=1, rowwise=False, columnwise=True)
+    gc, gg = _grouped_pair(splits, k, q, capacity_extra=0, seed=3)
+    poison_allocator()
+    before = _launches()
+    yg = lpmoe.group_dequantize(gg, out_dtype)
+    torch.cuda.synchronize()
+    assert _ran(before, _launches()) == _one(STAGED_TMA)
+    n = sum(splits) * k
+    assert _same(lpmoe.group_dequantize(gc, out_dtype).rowwise_data[:n], yg.rowwise_data[:n])
+
+
+@requires_cuda
 @pytest.mark.parametrize("block_dim", [1, 2])
-@pytest.mark.parametrize("shape,kernel", [((256, 1040), 1), ((128, 16), 1), ((993, 512), 2), ((65, 96), 2)])
+@pytest.mark.parametrize("shape,kernel", [((256, 1040), STAGED_TMA), ((128, 16), STAGED_TMA), ((993, 512), REGISTERS),
+                                          ((65, 96), REGISTERS)])
 def test_gpu_single_tensor_dequantize_columns_kernel_choice(shape, kernel, block_dim):
     # A single tensor's transposed copy is unpadded: whole 128-row tiles take
     # the staged tile, other row counts the register tile.
@@ -114,7 +156,7 @@ def test_gpu_single_tensor_dequantize_columns_kernel_choice(shape, kernel, block
     got = lpmoe.dequantize(cols_gpu, torch.bfloat16)
     torch.cuda.synchronize()
     after = _launches()
-    assert after[kernel] - before[kernel] == 1 and sum(after) - sum(before) == 1
+    assert _ran(before, after) == _one(kernel)
     assert _same(lpmoe.dequantize(cols, torch.bfloat16), got)
 
 
@@ -127,8 +169,7 @@ def test_gpu_group_dequantize_rows_counted():
     before = _launches()
     lpmoe.group_dequantize(gg, torch.bfloat16)
     torch.cuda.synchronize()
-    after = _launches()
-    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (1, 0, 0)
+    assert _ran(before, _launches()) == _one(ROWS)
 
 
 @requires_cuda
@@ -151,7 +192,8 @@ def test_gpu_group_dequantize_columns_staged_graph_replay_new_splits_no_sync():
     try:
         before = _launches()
         graph, (_, y) = capture_graph(step)
-        assert _launches()[1] - before[1] == 2  # the warm-up and the captured call, both staged
+        # the warm-up and the captured call, both the staged tile with TMA stores
+        assert _ran(before, _launches()) == (0, 0, 0, 2)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for splits in ([1, 127, 129, 1000], [0, 0, 0, 2000], [700, 700, 0, 1]):

@@ -87,11 +87,12 @@ std::tuple<int64_t, int64_t, int64_t> fp8_block_quantize_kernel_launches() {
           fp8_block::quantize_kernel_launches(QuantizeKernel::kTileColumns)};
 }
 
-std::tuple<int64_t, int64_t, int64_t> fp8_block_dequantize_kernel_launches() {
+std::tuple<int64_t, int64_t, int64_t, int64_t> fp8_block_dequantize_kernel_launches() {
   using fp8_block::DequantizeKernel;
   return {fp8_block::dequantize_kernel_launches(DequantizeKernel::kRows),
           fp8_block::dequantize_kernel_launches(DequantizeKernel::kColumnsStaged),
-          fp8_block::dequantize_kernel_launches(DequantizeKernel::kColumnsRegisters)};
+          fp8_block::dequantize_kernel_launches(DequantizeKernel::kColumnsRegisters),
+          fp8_block::dequantize_kernel_launches(DequantizeKernel::kColumnsStagedTma)};
 }
 
 void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at::Tensor>& padded_row_offsets,

@@ -19,7 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // 6: adamw_fp8_block_step (csrc/optim).  7: its masters (16-bit
   // parameters with fp32 master weights).  8: grouped_gemm_cutlass also
   // says whether the wgrad kernel's bf16 output left through TMA stores.
-  m.attr("BINDING_VERSION") = 8;
+  // 9: fp8_block_dequantize_kernel_launches counts the TMA-store staged tile.
+  m.attr("BINDING_VERSION") = 9;
   m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
         py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
         py::arg("second"), py::arg("capacity_rows"),

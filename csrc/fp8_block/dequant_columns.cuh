@@ -5,14 +5,21 @@
 //   padded grouped layout, or a single tensor of whole tiles): a CTA takes
 //   two token tiles of one K tile, each warp load covers 256 (or 2 x 128)
 //   contiguous bytes of a K row, into shared memory, transposed back from
-//   there;
+//   there; 16-bit outputs leave through TMA bulk tensor stores of whole
+//   token tiles (dequantize_columns_staged_tma), other outputs and a
+//   member's partial last tile through 16-byte stores;
 // * registers (any layout): a thread loads 8 bytes of 8 K rows and
 //   transposes them in registers.
 // Why staged: the columnwise source read in 8-byte pieces of 8 rows per warp
 // instruction runs at 0.89-0.91 of a contiguous read on the H100, in runs
 // of a row at 0.98-0.99 (docs/perf-notes.md, "the columnwise dequantize's
-// read pattern").
+// read pattern").  Why TMA stores: the same bf16 bytes written by 16-byte
+// st.global in this tile order ran at ~0.73-0.84 of the copy's write rate,
+// by bulk tensor stores of 128 x 128 boxes at ~1.0 (H100 and H200,
+// tools/dequant_ablation, stop 57).
 #pragma once
+
+#include "cute/arch/copy_sm90_tma.hpp"
 
 #include "common/cuda_utils.h"
 #include "common/dequant_vec.cuh"
@@ -166,6 +173,47 @@ __device__ __forceinline__ bool staged_tile(const DequantizeArgs& args, int64_t 
 // token tile (l / 8) % 2 of row (l / 16): a member's two tiles are 256
 // contiguous bytes of the row.  Then thread (c, g) transposes K rows
 // 8c..8c+7 x tokens 8g..8g+7 of each tile back, as the register tile does.
+// Token tiles 2*chunk + t (t = 0, 1) of K tile tile_x into shared memory:
+// warp w reads K rows 16w..16w+15, two per instruction; lane l takes 16
+// bytes (piece l % 8) of token tile (l / 8) % 2 of row (l / 16): a member's
+// two tiles are 256 contiguous bytes of the row.
+__device__ __forceinline__ void load_staged_tiles(const DequantizeArgs& args, int64_t j0, int64_t col0,
+                                                  int cols_valid, uint8_t* smem) {
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int t = (lane >> 3) & 1, piece = lane & 7, sub_row = lane >> 4;
+  TileInfo ti;
+  if (!staged_tile(args, j0 + t, ti)) return;
+  const int64_t K = args.cols;
+  const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
+  const uint8_t* src = static_cast<const uint8_t*>(args.data) + K * ti.pad128_start + ti.local_tile * kTile +
+                       col0 * pitch + 16 * piece;
+  constexpr int kLoads = kTile / 8 / 2;  // 16 rows per warp, 2 per instruction
+  uint4 v[kLoads];
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int k = 16 * warp + 2 * i + sub_row;
+    if (k < cols_valid) v[i] = __ldg(reinterpret_cast<const uint4*>(src + k * pitch));
+  }
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int k = 16 * warp + 2 * i + sub_row;
+    if (k < cols_valid) *reinterpret_cast<uint4*>(smem + staged_row_offset(k) + kTile * t + 16 * piece) = v[i];
+  }
+}
+
+// Thread (c, g)'s 8 K rows x 8 tokens of staged tile t (c: K columns
+// 8c..8c+7, g: tokens 8g..8g+7), as the register tile holds them.
+__device__ __forceinline__ void read_staged8(const uint8_t* smem, int t, int c, int g, uint2 (&q)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    q[e] = *reinterpret_cast<const uint2*>(smem + staged_row_offset(8 * c + e) + kTile * t + 8 * g);
+}
+
+// Token tiles 2*chunk and 2*chunk + 1 (each located on its own: they may
+// belong to different members) of K tile tile_x, loaded as above; then
+// thread (c, g) transposes K rows 8c..8c+7 x tokens 8g..8g+7 of each tile
+// back, as the register tile does, and stores 16-byte output pieces.
 template <typename OType, bool kE5M2, int kBlockDim>
 __device__ __forceinline__ void dequantize_columns_staged(const DequantizeArgs& args, int64_t chunk, int tile_x,
                                                           uint8_t* smem) {
@@ -176,27 +224,7 @@ __device__ __forceinline__ void dequantize_columns_staged(const DequantizeArgs& 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int64_t j0 = kStagedTiles * chunk;
-  {
-    const int t = (lane >> 3) & 1, piece = lane & 7, sub_row = lane >> 4;
-    TileInfo ti;
-    if (staged_tile(args, j0 + t, ti)) {
-      const int64_t pitch = args.pad_columnwise_tokens ? round_up<int64_t>(ti.m, kTile) : ti.m;
-      const uint8_t* src = static_cast<const uint8_t*>(args.data) + K * ti.pad128_start + ti.local_tile * kTile +
-                           col0 * pitch + 16 * piece;
-      constexpr int kLoads = kTile / 8 / 2;  // 16 rows per warp, 2 per instruction
-      uint4 v[kLoads];
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        const int k = 16 * warp + 2 * i + sub_row;
-        if (k < cols_valid) v[i] = __ldg(reinterpret_cast<const uint4*>(src + k * pitch));
-      }
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        const int k = 16 * warp + 2 * i + sub_row;
-        if (k < cols_valid) *reinterpret_cast<uint4*>(smem + staged_row_offset(k) + kTile * t + 16 * piece) = v[i];
-      }
-    }
-  }
+  load_staged_tiles(args, j0, col0, cols_valid, smem);
   __syncthreads();
   const int g = 4 * (warp & 3) + (lane & 3);   // tokens 8g..8g+7 of a tile
   const int c = 8 * (warp >> 2) + (lane >> 2);  // K columns 8c..8c+7
@@ -207,14 +235,83 @@ __device__ __forceinline__ void dequantize_columns_staged(const DequantizeArgs& 
     TileInfo ti;
     if (!staged_tile(args, j0 + t, ti) || tok0 >= ti.rows_valid) continue;
     uint2 q[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      q[e] = *reinterpret_cast<const uint2*>(smem + staged_row_offset(8 * c + e) + kTile * t + 8 * g);
+    read_staged8(smem, t, c, g, q);
     float s[8];
     column_scales8<kBlockDim>(args, ti, bx_count, tile_x, col0 + 8 * c, s);
     store_transposed8<OType, kE5M2>(static_cast<OType*>(args.out) + (ti.row0 + tok0) * K + col0 + 8 * c, K, q, s,
                                     ti.rows_valid - tok0);
   }
+}
+
+// The staged tile with TMA-store output (16-bit OType; `out_map`: the (rows,
+// K) output in 128 x 128 boxes, unswizzled, encode_matrix_map).  Both tiles'
+// inputs go to registers first, so the output reuses the input's shared
+// memory: tile 0's dequantized 128 x 128 block is written there row-major
+// and stored by one bulk tensor copy, then tile 1's once that copy has read
+// it (tools/dequant_ablation measured a second 32 KB buffer the same, at 3
+// CTAs per SM either way).  A token tile with fewer than 128 rows (a
+// member's last) is stored by 16-byte stores, since a whole box would write
+// the next member's rows (or a capacity tail, which must stay untouched);
+// the unit clips columns past K and rows past the output.  Same values,
+// same bits as dequantize_columns_staged.
+constexpr int kStagedOutBytes = kTile * kTile * 2;
+static_assert(kStagedOutBytes <= kStagedSmemBytes, "an output tile fits the input staging");
+
+template <typename OType, bool kE5M2, int kBlockDim>
+__device__ __forceinline__ void dequantize_columns_staged_tma(const DequantizeArgs& args, const CUtensorMap* out_map,
+                                                              int64_t chunk, int tile_x, uint8_t* smem) {
+  static_assert(sizeof(OType) == 2, "TMA-store output tiles are 16-bit");
+  const int64_t K = args.cols;
+  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
+  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
+  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int64_t j0 = kStagedTiles * chunk;
+  load_staged_tiles(args, j0, col0, cols_valid, smem);
+  __syncthreads();
+  const int g = 4 * (warp & 3) + (lane & 3);
+  const int c = 8 * (warp >> 2) + (lane >> 2);
+  const int tok0 = 8 * g;
+  const bool cols_in = c * 8 < cols_valid;
+  TileInfo ti[kStagedTiles];
+  bool have[kStagedTiles], mine[kStagedTiles];
+  uint2 q[kStagedTiles][8];
+#pragma unroll
+  for (int t = 0; t < kStagedTiles; ++t) {
+    have[t] = staged_tile(args, j0 + t, ti[t]);
+    mine[t] = have[t] && cols_in && tok0 < ti[t].rows_valid;
+    if (mine[t]) read_staged8(smem, t, c, g, q[t]);
+  }
+  __syncthreads();  // the input is in registers: the staging takes the output
+  OType* out_tile = reinterpret_cast<OType*>(smem);
+#pragma unroll
+  for (int t = 0; t < kStagedTiles; ++t) {
+    const bool whole = have[t] && ti[t].rows_valid == kTile;
+    if (t > 0) {  // the previous tile's bulk store has read the staging
+      if (threadIdx.x == 0) cute::tma_store_wait<0>();
+      __syncthreads();
+    }
+    if (mine[t]) {
+      float s[8];
+      column_scales8<kBlockDim>(args, ti[t], bx_count, tile_x, col0 + 8 * c, s);
+      if (whole) {
+        store_transposed8<OType, kE5M2>(out_tile + tok0 * kTile + 8 * c, kTile, q[t], s, kTile);
+      } else {
+        store_transposed8<OType, kE5M2>(static_cast<OType*>(args.out) + (ti[t].row0 + tok0) * K + col0 + 8 * c, K,
+                                        q[t], s, ti[t].rows_valid - tok0);
+      }
+    }
+    if (whole) {  // CTA-uniform
+      cute::tma_store_fence();  // the shared writes visible to the bulk copy
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        cute::SM90_TMA_STORE_2D::copy(out_map, smem, static_cast<int>(col0), static_cast<int>(ti[t].row0));
+        cute::tma_store_arrive();
+      }
+    }
+  }
+  if (threadIdx.x == 0) cute::tma_store_wait<0>();  // the staging is read before the CTA's memory goes
 }
 
 }  // namespace dequant_detail

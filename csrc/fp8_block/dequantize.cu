@@ -7,10 +7,12 @@
 #include <cuda_fp16.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "common/cuda_utils.h"
 #include "common/dequant_vec.cuh"
 #include "common/numerics.cuh"
+#include "common/tensor_maps.h"
 #include "common/vec_io.cuh"
 #include "fp8_block/dequant_columns.cuh"
 #include "fp8_block/fp8_block.h"
@@ -97,13 +99,45 @@ __global__ void __launch_bounds__(kThreads, 3) dequantize_columns_staged_kernel(
                                                                      static_cast<int>(blockIdx.x / chunks), smem);
 }
 
+// 3 CTAs per SM: the TMA-store variant ran 0.02-0.06 of copy slower at 2
+// and 4 (tools/dequant_ablation, H100, stop 57).
+template <typename OType, bool kE5M2, int kBlockDim>
+__global__ void __launch_bounds__(kThreads, 3)
+    dequantize_columns_staged_tma_kernel(const DequantizeArgs args, const __grid_constant__ CUtensorMap out_map,
+                                         int64_t chunks) {
+  __shared__ __align__(128) uint8_t smem[dequant_detail::kStagedSmemBytes];
+  dequant_detail::dequantize_columns_staged_tma<OType, kE5M2, kBlockDim>(args, &out_map, blockIdx.x % chunks,
+                                                                         static_cast<int>(blockIdx.x / chunks), smem);
+}
+
+// The output as 128 x 128 boxes for the TMA-store staged tile: 16-bit
+// outputs whose base the unit takes (16-byte aligned; the row pitch, K
+// 16-bit values with K % 16 == 0, always is).  False: the 16-byte stores.
+template <typename OType>
+bool encode_output_tiles(CUtensorMap* map, const DequantizeArgs& a) {
+  static_assert(sizeof(OType) == 2, "16-bit outputs");
+  const CUtensorMapDataType type =
+      std::is_same_v<OType, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return reinterpret_cast<uintptr_t>(a.out) % 16 == 0 &&
+         encode_matrix_map(map, type, 2, a.out, static_cast<uint64_t>(a.rows), static_cast<uint64_t>(a.cols),
+                           static_cast<uint32_t>(kTile), static_cast<uint32_t>(kTile), CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
 template <typename OType, bool kE5M2, int kBlockDim>
 cudaError_t launch_dir(const DequantizeArgs& a, int64_t tiles, cudaStream_t s) {
   if (a.columnwise && dequant_detail::columns_staged(a)) {
     const int64_t chunks = ceil_div<int64_t>(a.max_row_tiles, dequant_detail::kStagedTiles);
-    const int64_t ctas = chunks * (tiles / a.max_row_tiles);
+    const auto ctas = static_cast<unsigned>(chunks * (tiles / a.max_row_tiles));
+    if constexpr (sizeof(OType) == 2) {
+      CUtensorMap out_map;
+      if (encode_output_tiles<OType>(&out_map, a)) {
+        count_launch(DequantizeKernel::kColumnsStagedTma);
+        dequantize_columns_staged_tma_kernel<OType, kE5M2, kBlockDim><<<ctas, kThreads, 0, s>>>(a, out_map, chunks);
+        return cudaGetLastError();
+      }
+    }
     count_launch(DequantizeKernel::kColumnsStaged);
-    dequantize_columns_staged_kernel<OType, kE5M2, kBlockDim><<<static_cast<unsigned>(ctas), kThreads, 0, s>>>(a, chunks);
+    dequantize_columns_staged_kernel<OType, kE5M2, kBlockDim><<<ctas, kThreads, 0, s>>>(a, chunks);
   } else if (a.columnwise) {
     count_launch(DequantizeKernel::kColumnsRegisters);
     dequantize_columns_kernel<OType, kE5M2, kBlockDim><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(a);

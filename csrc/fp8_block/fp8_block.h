@@ -100,9 +100,17 @@ cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 
 // Launches of each dequantize kernel since the process started (tests prove
 // which one a call took): rowwise source, columnwise source staged through
-// shared memory (padded layout, or a single tensor of whole 128-row tiles),
-// columnwise source transposed in registers (any other layout).
-enum class DequantizeKernel { kRows = 0, kColumnsStaged = 1, kColumnsRegisters = 2, kCount = 3 };
+// shared memory (padded layout, or a single tensor of whole 128-row tiles)
+// with 16-byte output stores, columnwise source transposed in registers
+// (any other layout), and the staged tile whose 16-bit output leaves through
+// TMA stores (where the output's base takes a tensor map).
+enum class DequantizeKernel {
+  kRows = 0,
+  kColumnsStaged = 1,
+  kColumnsRegisters = 2,
+  kColumnsStagedTma = 3,
+  kCount = 4
+};
 int64_t dequantize_kernel_launches(DequantizeKernel kernel);
 
 }  // namespace fp8_block
