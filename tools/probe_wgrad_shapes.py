@@ -11,6 +11,11 @@ docs/fp8-wgrad-kernel-notes.md and docs/grouped-mlp-notes.md, stop 55).
         Small N x K per member (Qwen3-down: 64 tiles per member at width
         192, 96 at 128): fresh fp32, bf16 and accumulating, uniform and
         skewed routing, both widths.
+    PYTHONPATH=python:benchmarks python3 tools/probe_wgrad_shapes.py acc
+        The main_grad (fp32 accumulate) kernels alone, widths 192 and 128
+        (cluster 1, each with the tile order run_wgrad picks for the call):
+        DeepSeek-V3 fc1/fc2 and Qwen3 at 512 to 8192 tokens per member,
+        uniform and skewed; behind the accumulate width rule (heuristics.h).
 
 TFLOP/s (2 x tokens x N x K), medians of 3 interleaved burst rounds.
 """
@@ -69,7 +74,24 @@ def qwen3():
         torch.cuda.empty_cache()
 
 
+def acc():
+    cases = [(label, SHAPES[name], g, tokens, skewed)
+             for label, name in (("fc1", "dsv3-up"), ("fc2", "dsv3-down"))
+             for g, tokens, skewed in ((32, 16384, False), (32, 16384, True), (32, 32768, False),
+                                       (64, 65536, True), (8, 65536, False))]
+    cases += [(name, SHAPES[name], g, tokens, skewed)
+              for name, g, tokens, skewed in (("qwen3-down", 64, 65536, False), ("qwen3-down", 64, 65536, True),
+                                              ("qwen3-down", 64, 16384, False), ("qwen3-up", 64, 65536, True))]
+    for label, (k, n), g, tokens, skewed in cases:
+        dyg, xg = operands(k, n, g, splits_for(g, tokens, skewed))
+        got = time_widths(dyg, xg, {"acc": (torch.zeros(g, n, k, device="cuda"), True)}, tokens, n, k)
+        print(f"{label} {g} x {tokens // g} {'skewed' if skewed else 'uniform'}: " +
+              "  ".join(f"{key} {v:5.0f}" for key, v in got.items()), flush=True)
+        del dyg, xg
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
-    {"members": members, "qwen3": qwen3}[sys.argv[1] if len(sys.argv) > 1 else "members"]()
+    {"members": members, "qwen3": qwen3, "acc": acc}[sys.argv[1] if len(sys.argv) > 1 else "members"]()

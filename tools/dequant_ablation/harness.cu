@@ -1,6 +1,6 @@
 // Ablation harness for the FP8 block columnwise dequantize (issue 13; not part
 // of lpmoe): times lpmoe's kernel (csrc/fp8_block/dequantize.cu, compiled in;
-// the staged tile on this padded layout) beside other kernels, on a grouped
+// the staged tile with TMA-store output on this padded layout) beside other kernels, on a grouped
 // columnwise buffer (G equal members of M tokens, K columns, padded
 // columnwise layout), each as a ratio to a device copy of the same bytes (1
 // read + 2 written per element).  Every candidate's output is compared
@@ -42,8 +42,22 @@ __global__ void __launch_bounds__(256) dq_cols_registers(const fp8_block::Dequan
   dq_cols_tile<OType, kE5M2>(args, blockIdx.x % args.max_row_tiles, static_cast<int>(blockIdx.x / args.max_row_tiles));
 }
 
+// lpmoe's staged tile with 16-byte output stores (the path of fp32 outputs
+// and of unaligned 16-bit ones; before stop 57 every staged call's), beside
+// lpmoe's choice for bf16, the staged tile with TMA-store output tiles.
+__global__ void __launch_bounds__(256, 3) dq_cols_staged_stores(const fp8_block::DequantizeArgs args, int64_t chunks) {
+  __shared__ __align__(16) uint8_t smem[fp8_block::dequant_detail::kStagedSmemBytes];
+  fp8_block::dequant_detail::dequantize_columns_staged<__nv_bfloat16, false, 1>(
+      args, blockIdx.x % chunks, static_cast<int>(blockIdx.x / chunks), smem);
+}
+inline void launch_staged_stores(const fp8_block::DequantizeArgs& b) {
+  const int64_t chunks = (b.max_row_tiles + 1) / 2;
+  dq_cols_staged_stores<<<unsigned(chunks * ((b.cols + 127) / 128)), 256>>>(b, chunks);
+}
+
 #include "bulk_pipeline.cuh"
 #include "probes.cuh"
+#include "tma_store.cuh"
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
 
@@ -96,6 +110,7 @@ int main(int argc, char** argv) {
   auto base = [&]() { a.out = out0; CK(fp8_block::launch_dequantize(a, 0)); };
   struct V { const char* name; void (*launch)(fp8_block::DequantizeArgs, unsigned); };
   V vars[] = {
+      {"staged-stg", [](fp8_block::DequantizeArgs b, unsigned) { launch_staged_stores(b); }},
       {"registers", [](fp8_block::DequantizeArgs b, unsigned n) { dq_cols_registers<__nv_bfloat16, false><<<n, 256>>>(b); }},
       {"bulk3", [](fp8_block::DequantizeArgs b, unsigned n) { bulk::launch<3>(b, n); }},
       {"rd-contig", [](fp8_block::DequantizeArgs b, unsigned n) { rd::contig<<<132 * 8, 256>>>(b, int64_t(b.max_row_tiles) * 128 * b.cols); }},
@@ -103,7 +118,14 @@ int main(int argc, char** argv) {
       {"rd-rows512", [](fp8_block::DequantizeArgs b, unsigned n) { rd::rows512<<<n / 4, 256>>>(b); }},
       {"writes-only", [](fp8_block::DequantizeArgs b, unsigned n) { bulk::launch<3, 2>(b, n); }},
       {"writes-only-kfast", [](fp8_block::DequantizeArgs b, unsigned n) { bulk::launch<3, 3>(b, n); }},
+      {"tma-writes128x4", [](fp8_block::DequantizeArgs b, unsigned) { tmaw::launch<128, 4>(b); }},
+      {"tma-writes128x1", [](fp8_block::DequantizeArgs b, unsigned) { tmaw::launch<128, 1>(b); }},
+      {"tma-writes256x2", [](fp8_block::DequantizeArgs b, unsigned) { tmaw::launch<256, 2>(b); }},
   };
+  if (!tmaw::encode(&tmaw::g_map128, out1, T, K, 128) || !tmaw::encode(&tmaw::g_map256, out1, T, K, 256)) {
+    printf("tensor map encode failed\n");
+    return 1;
+  }
   base(); CK(cudaDeviceSynchronize());
   std::vector<uint8_t> h0(2 * T * K), h1(2 * T * K);
   CK(cudaMemcpy(h0.data(), out0, h0.size(), cudaMemcpyDeviceToHost));
