@@ -268,19 +268,26 @@ __device__ __forceinline__ void dequantize_columns_staged_tma(const DequantizeAr
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int64_t j0 = kStagedTiles * chunk;
-  load_staged_tiles(args, j0, col0, cols_valid, smem);
-  __syncthreads();
   const int g = 4 * (warp & 3) + (lane & 3);
   const int c = 8 * (warp >> 2) + (lane >> 2);
   const int tok0 = 8 * g;
   const bool cols_in = c * 8 < cols_valid;
   TileInfo ti[kStagedTiles];
   bool have[kStagedTiles], mine[kStagedTiles];
-  uint2 q[kStagedTiles][8];
+  // The column scales first, so their loads overlap the tile's (+0.01-0.02
+  // of copy on 16k-token calls, where nothing else hides them).
+  float s[kStagedTiles][8];
 #pragma unroll
   for (int t = 0; t < kStagedTiles; ++t) {
     have[t] = staged_tile(args, j0 + t, ti[t]);
     mine[t] = have[t] && cols_in && tok0 < ti[t].rows_valid;
+    if (mine[t]) column_scales8<kBlockDim>(args, ti[t], bx_count, tile_x, col0 + 8 * c, s[t]);
+  }
+  load_staged_tiles(args, j0, col0, cols_valid, smem);
+  __syncthreads();
+  uint2 q[kStagedTiles][8];
+#pragma unroll
+  for (int t = 0; t < kStagedTiles; ++t) {
     if (mine[t]) read_staged8(smem, t, c, g, q[t]);
   }
   __syncthreads();  // the input is in registers: the staging takes the output
@@ -293,13 +300,11 @@ __device__ __forceinline__ void dequantize_columns_staged_tma(const DequantizeAr
       __syncthreads();
     }
     if (mine[t]) {
-      float s[8];
-      column_scales8<kBlockDim>(args, ti[t], bx_count, tile_x, col0 + 8 * c, s);
       if (whole) {
-        store_transposed8<OType, kE5M2>(out_tile + tok0 * kTile + 8 * c, kTile, q[t], s, kTile);
+        store_transposed8<OType, kE5M2>(out_tile + tok0 * kTile + 8 * c, kTile, q[t], s[t], kTile);
       } else {
         store_transposed8<OType, kE5M2>(static_cast<OType*>(args.out) + (ti[t].row0 + tok0) * K + col0 + 8 * c, K,
-                                        q[t], s, ti[t].rows_valid - tok0);
+                                        q[t], s[t], ti[t].rows_valid - tok0);
       }
     }
     if (whole) {  // CTA-uniform
