@@ -72,9 +72,9 @@ std::tuple<int64_t, int64_t, int64_t> grouped_gemm_cutlass(
     int64_t fp8_cluster, bool zero_tail) {
   const gemm::GemmKind gk = to_kind(kind);
   const fp8_gemm::BlockScaledConfig pinned{static_cast<int>(fp8_width), static_cast<int>(fp8_cluster)};
+  const bool main_grad = fp8_gemm::wgrad_fp32_accumulate(beta, d.scalar_type() == at::kFloat);
   const bool config_exists = gk == gemm::GemmKind::kWgrad
-                                 ? fp8_gemm::wgrad_supports(pinned, static_cast<int>(num_groups),
-                                                            beta != 0.0 && d.scalar_type() == at::kFloat)
+                                 ? fp8_gemm::wgrad_supports(pinned, static_cast<int>(num_groups), main_grad)
                                  : fp8_gemm::block_scaled_supports(pinned, static_cast<int>(num_groups));
   if (!(fp8_width == -1 || (fp8_width == 0 && fp8_cluster == 0) || config_exists)) {
     throw std::invalid_argument("lpmoe: FP8 " + std::string(gk == gemm::GemmKind::kWgrad ? "wgrad " : "") +

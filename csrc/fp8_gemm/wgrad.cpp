@@ -53,7 +53,7 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, int64_t token_capacity,
   if (bf16_tma_store != nullptr) *bf16_tma_store = false;
   if (args.kind != gemm::GemmKind::kWgrad || (args.beta != 0.0f && args.beta != 1.0f)) return cudaErrorNotSupported;
   const int g = args.num_groups;
-  const bool fp32_accumulate = args.beta != 0.0f && !args.wgrad_bf16;  // the main_grad kernels
+  const bool fp32_accumulate = wgrad_fp32_accumulate(args.beta, !args.wgrad_bf16);  // FP8: fp32 or bf16 out
   const BlockScaledConfig pick = choose_wgrad_config(args.k);
   if (cfg.cluster == 0) cfg.cluster = pick.cluster;
   if (cfg.block_n == 0) {  // the heuristic's width, else the one whose member table fits

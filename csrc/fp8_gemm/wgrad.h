@@ -125,8 +125,12 @@ cudaError_t launch_wgrad(const WgradParams& p, int grid, cudaStream_t stream);
 cudaError_t launch_wgrad_maps(const CUtensorMap& a_template, const CUtensorMap& b_template, const void* a,
                               const void* b, const WgradParams& p, cudaStream_t stream);
 
+// Whether a call runs the main_grad kernels: it adds (beta != 0) into an
+// fp32 output.  The binding and run_wgrad both ask, so the answer is here once.
+constexpr bool wgrad_fp32_accumulate(double beta, bool out_fp32) { return beta != 0.0 && out_fp32; }
+
 // Whether the kernels of `cfg` run `num_groups` members (their member table
-// fits); fp32_accumulate: the main_grad kernels (fp32 output, beta = 1).
+// fits); fp32_accumulate: the main_grad kernels (wgrad_fp32_accumulate).
 bool wgrad_supports(BlockScaledConfig cfg, int num_groups, bool fp32_accumulate);
 
 // wgrad with the given configuration (zeros: the heuristic's choice, or the
