@@ -167,12 +167,23 @@ __device__ __forceinline__ bool staged_tile(const DequantizeArgs& args, int64_t 
   return j < args.max_row_tiles && locate_tile(args.group, args.rows, j, ti) && ti.rows_valid > 0;
 }
 
-// Token tiles 2*chunk and 2*chunk + 1 (each located on its own: they may
-// belong to different members) of K tile tile_x.  Load: warp w reads K rows
-// 16w..16w+15, two per instruction; lane l takes 16 bytes (piece l % 8) of
-// token tile (l / 8) % 2 of row (l / 16): a member's two tiles are 256
-// contiguous bytes of the row.  Then thread (c, g) transposes K rows
-// 8c..8c+7 x tokens 8g..8g+7 of each tile back, as the register tile does.
+// Where a staged CTA works: token tiles j0 and j0 + 1 (= 2 * chunk + t) of
+// K tile tile_x, whose columns col0.. hold cols_valid of the matrix's K; and
+// where thread (c, g) works in each tile: K columns 8c..8c+7, tokens
+// 8g..8g+7 (the register tile's layout).
+struct StagedPlace {
+  int64_t K, col0, j0;
+  int bx_count, cols_valid, c, g;
+  __device__ __forceinline__ StagedPlace(const DequantizeArgs& args, int64_t chunk, int tile_x)
+      : K(args.cols),
+        col0(static_cast<int64_t>(tile_x) * kTile),
+        j0(kStagedTiles * chunk),
+        bx_count(static_cast<int>(ceil_div<int64_t>(args.cols, kTile))),
+        cols_valid(static_cast<int>(args.cols - col0 < kTile ? args.cols - col0 : kTile)),
+        c(8 * (threadIdx.x >> 7) + ((threadIdx.x & 31) >> 2)),
+        g(4 * ((threadIdx.x >> 5) & 3) + (threadIdx.x & 3)) {}
+};
+
 // Token tiles 2*chunk + t (t = 0, 1) of K tile tile_x into shared memory:
 // warp w reads K rows 16w..16w+15, two per instruction; lane l takes 16
 // bytes (piece l % 8) of token tile (l / 8) % 2 of row (l / 16): a member's
@@ -217,17 +228,11 @@ __device__ __forceinline__ void read_staged8(const uint8_t* smem, int t, int c, 
 template <typename OType, bool kE5M2, int kBlockDim>
 __device__ __forceinline__ void dequantize_columns_staged(const DequantizeArgs& args, int64_t chunk, int tile_x,
                                                           uint8_t* smem) {
-  const int64_t K = args.cols;
-  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
-  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
-  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int64_t j0 = kStagedTiles * chunk;
+  const StagedPlace at(args, chunk, tile_x);
+  const int64_t K = at.K, col0 = at.col0, j0 = at.j0;
+  const int cols_valid = at.cols_valid, c = at.c, g = at.g;
   load_staged_tiles(args, j0, col0, cols_valid, smem);
   __syncthreads();
-  const int g = 4 * (warp & 3) + (lane & 3);   // tokens 8g..8g+7 of a tile
-  const int c = 8 * (warp >> 2) + (lane >> 2);  // K columns 8c..8c+7
   const int tok0 = 8 * g;
   if (c * 8 >= cols_valid) return;  // cols_valid is a multiple of 16: all 8 columns in or out
 #pragma unroll 1
@@ -237,7 +242,7 @@ __device__ __forceinline__ void dequantize_columns_staged(const DequantizeArgs& 
     uint2 q[8];
     read_staged8(smem, t, c, g, q);
     float s[8];
-    column_scales8<kBlockDim>(args, ti, bx_count, tile_x, col0 + 8 * c, s);
+    column_scales8<kBlockDim>(args, ti, at.bx_count, tile_x, col0 + 8 * c, s);
     store_transposed8<OType, kE5M2>(static_cast<OType*>(args.out) + (ti.row0 + tok0) * K + col0 + 8 * c, K, q, s,
                                     ti.rows_valid - tok0);
   }
@@ -261,15 +266,9 @@ template <typename OType, bool kE5M2, int kBlockDim>
 __device__ __forceinline__ void dequantize_columns_staged_tma(const DequantizeArgs& args, const CUtensorMap* out_map,
                                                               int64_t chunk, int tile_x, uint8_t* smem) {
   static_assert(sizeof(OType) == 2, "TMA-store output tiles are 16-bit");
-  const int64_t K = args.cols;
-  const int bx_count = static_cast<int>(ceil_div<int64_t>(K, kTile));
-  const int64_t col0 = static_cast<int64_t>(tile_x) * kTile;
-  const int cols_valid = static_cast<int>(K - col0 < kTile ? K - col0 : kTile);
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int64_t j0 = kStagedTiles * chunk;
-  const int g = 4 * (warp & 3) + (lane & 3);
-  const int c = 8 * (warp >> 2) + (lane >> 2);
+  const StagedPlace at(args, chunk, tile_x);
+  const int64_t K = at.K, col0 = at.col0, j0 = at.j0;
+  const int cols_valid = at.cols_valid, c = at.c, g = at.g;
   const int tok0 = 8 * g;
   const bool cols_in = c * 8 < cols_valid;
   TileInfo ti[kStagedTiles];
@@ -281,7 +280,7 @@ __device__ __forceinline__ void dequantize_columns_staged_tma(const DequantizeAr
   for (int t = 0; t < kStagedTiles; ++t) {
     have[t] = staged_tile(args, j0 + t, ti[t]);
     mine[t] = have[t] && cols_in && tok0 < ti[t].rows_valid;
-    if (mine[t]) column_scales8<kBlockDim>(args, ti[t], bx_count, tile_x, col0 + 8 * c, s[t]);
+    if (mine[t]) column_scales8<kBlockDim>(args, ti[t], at.bx_count, tile_x, col0 + 8 * c, s[t]);
   }
   load_staged_tiles(args, j0, col0, cols_valid, smem);
   __syncthreads();
