@@ -90,7 +90,14 @@ int main(int argc, char** argv) {
   const int64_t M = argc > 3 ? atoll(argv[2]) : 8192, K = argc > 3 ? atoll(argv[3]) : 7168;
   const int last_short = argc > 4 ? atoi(argv[4]) : 0;  // tokens taken off the last member (partial tiles)
   std::vector<int64_t> rows(G + 1), pad(G + 1);
-  for (int t = 0; t <= G; ++t) rows[t] = t * M - (t == G ? last_short : 0);
+  // argv[5] "skew": 90 % of the G x M tokens in member 0, the rest spread
+  // evenly (bench_fp8_block.py's skewed members), before last_short.
+  const bool skew = argc > 5 && strcmp(argv[5], "skew") == 0;
+  for (int t = 0; t <= G; ++t) {
+    const int64_t big = G * M * 9 / 10, rest = (G * M - big) / (G - 1);
+    rows[t] = !skew ? t * M : t == 0 ? 0 : t == G ? G * M : big + (t - 1) * rest;
+    if (t == G) rows[t] -= last_short;
+  }
   for (int t = 0; t <= G; ++t) pad[t] = t == 0 ? 0 : pad[t - 1] + (rows[t] - rows[t - 1] + 127) / 128 * 128;
   const int64_t T = rows[G], P = pad[G];
   int64_t* d_rows; int64_t* d_pad;
@@ -142,7 +149,7 @@ int main(int argc, char** argv) {
   for (int round = 0; round < 3; ++round) {
     const float tc = time_ms([&] { cudaMemcpyAsync(cd, cs, cb, cudaMemcpyDeviceToDevice, 0); });
     const float t0 = time_ms(base);
-    printf("G%d M%lld K%lld short%d | copy %.3f ms %.0f GB/s | lpmoe %.2f", G, (long long)M, (long long)K, last_short,
+    printf("G%d M%lld K%lld short%d%s | copy %.3f ms %.0f GB/s | lpmoe %.2f", G, (long long)M, (long long)K, last_short, skew ? " skew" : "",
            tc, bytes / tc / 1e6, tc / t0);
     for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); ++i) {
       fp8_block::DequantizeArgs b = a; b.out = out1;
