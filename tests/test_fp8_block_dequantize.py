@@ -4,9 +4,9 @@ bits against the CPU reference on every FP8 code.
 The columnwise (transposed) source has three GPU readers
 (csrc/fp8_block/dequant_columns.cuh): the staged tile (two token tiles per
 CTA through shared memory) wherever every K row of a tile holds 128 token
-bytes, whose 16-bit output leaves through TMA stores of whole token tiles
-when the output's base takes a tensor map (16-byte stores otherwise, and for
-fp32), and the register tile elsewhere.  Each call's kernel is counted, so a
+bytes, whose bf16 / fp16 output leaves through TMA stores of whole token
+tiles (a member's partial last tile, and every fp32 output, by 16-byte
+stores), and the register tile elsewhere.  Each call's kernel is counted, so a
 silent switch to another one fails here.
 """
 import pytest
@@ -116,23 +116,30 @@ def test_gpu_group_dequantize_columns_staged_every_code(fp8, block_dim, out_dtyp
 
 @requires_cuda
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-def test_gpu_group_dequantize_whole_tiles_through_tma_stores(out_dtype):
+@pytest.mark.parametrize("capacity_extra", [0, 77])
+def test_gpu_group_dequantize_whole_tiles_through_tma_stores(out_dtype, capacity_extra):
     # Every member a whole number of token tiles (every tile leaves by a bulk
     # tensor store, none by 16-byte stores), chunks of two tiles from two
     # members, an empty member, a partial last K tile (272 = 2 x 128 + 16)
-    # that the unit clips, and no capacity tail: the boxes reach the
-    # output's last row.
+    # that the unit clips; the last whole tile right before a capacity tail
+    # (whose bytes must stay as poisoned), or reaching the output's last row.
     splits = [256, 0, 128, 384, 128]
     k = 272
     q = Float8BlockQuantizer(E4M3, block_dim=1, rowwise=False, columnwise=True)
-    gc, gg = _grouped_pair(splits, k, q, capacity_extra=0, seed=3)
-    poison_allocator()
+    gc, gg = _grouped_pair(splits, k, q, capacity_extra=capacity_extra, seed=3)
+    from lpmoe._ext import ext
+    from lpmoe._op_utils import max_row_tiles
+    rows = gg.logical_shape[0]
+    out = poison_(torch.empty(rows * k, dtype=out_dtype, device="cuda"))
     before = _launches()
-    yg = lpmoe.group_dequantize(gg, out_dtype)
+    ext().fp8_block_dequantize(gg.columnwise_data, gg.columnwise_scale_inv, True, True, False, 1, rows, k,
+                               gg.padded_row_offsets, gg.num_tensors, out, max_row_tiles(gg))
     torch.cuda.synchronize()
     assert _ran(before, _launches()) == _one(STAGED_TMA)
     n = sum(splits) * k
-    assert _same(lpmoe.group_dequantize(gc, out_dtype).rowwise_data[:n], yg.rowwise_data[:n])
+    ref = lpmoe.group_dequantize(gc, out_dtype).rowwise_data[:n]
+    assert _same(ref, out[:n])  # 0xA5A5 poison is a finite value: an unwritten element differs
+    assert bool((out[n:].view(torch.uint8) == 0xA5).all())
 
 
 @requires_cuda

@@ -30,6 +30,8 @@ void fp8_block_quantize(const at::Tensor& input, const c10::optional<at::Tensor>
 // Launch counts of the quantize kernels: (persistent, tile, tile_columns);
 // tests use them to prove which kernel a call took.
 std::tuple<int64_t, int64_t, int64_t> fp8_block_quantize_kernel_launches();
+// ... and of the dequantize kernels: (rows, columns staged, columns registers,
+// columns staged with TMA-store output).
 std::tuple<int64_t, int64_t, int64_t, int64_t> fp8_block_dequantize_kernel_launches();
 void fp8_block_dbias_reduce(const at::Tensor& workspace, const c10::optional<at::Tensor>& padded_row_offsets,
                             int64_t num_tensors, int64_t rows, const at::Tensor& out,

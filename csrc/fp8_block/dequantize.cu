@@ -2,11 +2,13 @@
 // OType(fl(float(q) * scale_inv_of_block)) (formats.md §1.4, §1.8), always
 // written untransposed as (rows, K).  Reads either the rowwise copy or the
 // transposed columnwise copy (transposed back through shared memory or in
-// registers: dequant_columns.cuh).  Same 128x128 tile map as quantize: any member sizes.
+// registers: dequant_columns.cuh; through shared memory, 16-bit output
+// tiles leave by TMA stores).  Same 128x128 tile map as quantize: any member sizes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <atomic>
+#include <climits>
 #include <type_traits>
 
 #include "common/cuda_utils.h"
@@ -106,19 +108,26 @@ __global__ void __launch_bounds__(kThreads, 3)
     dequantize_columns_staged_tma_kernel(const DequantizeArgs args, const __grid_constant__ CUtensorMap out_map,
                                          int64_t chunks) {
   __shared__ __align__(128) uint8_t smem[dequant_detail::kStagedSmemBytes];
+#if defined(CUTE_ARCH_TMA_SM90_ENABLED)
   dequant_detail::dequantize_columns_staged_tma<OType, kE5M2, kBlockDim>(args, &out_map, blockIdx.x % chunks,
                                                                          static_cast<int>(blockIdx.x / chunks), smem);
+#else  // code built for an architecture without TMA (e.g. sm_90 without "a"): the 16-byte stores
+  dequant_detail::dequantize_columns_staged<OType, kE5M2, kBlockDim>(args, blockIdx.x % chunks,
+                                                                     static_cast<int>(blockIdx.x / chunks), smem);
+#endif
 }
 
 // The output as 128 x 128 boxes for the TMA-store staged tile: 16-bit
-// outputs whose base the unit takes (16-byte aligned; the row pitch, K
-// 16-bit values with K % 16 == 0, always is).  False: the 16-byte stores.
+// outputs whose base the unit takes (16-byte aligned, which the binding
+// already requires; the row pitch, K 16-bit values with K % 16 == 0, always
+// is), with rows and columns that the kernel's int box coordinates reach.
+// False (a driver without TMA, an output past 2^31 rows): the 16-byte stores.
 template <typename OType>
 bool encode_output_tiles(CUtensorMap* map, const DequantizeArgs& a) {
   static_assert(sizeof(OType) == 2, "16-bit outputs");
   const CUtensorMapDataType type =
       std::is_same_v<OType, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  return reinterpret_cast<uintptr_t>(a.out) % 16 == 0 &&
+  return reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && a.rows <= INT_MAX && a.cols <= INT_MAX &&
          encode_matrix_map(map, type, 2, a.out, static_cast<uint64_t>(a.rows), static_cast<uint64_t>(a.cols),
                            static_cast<uint32_t>(kTile), static_cast<uint32_t>(kTile), CU_TENSOR_MAP_SWIZZLE_NONE);
 }

@@ -101,9 +101,10 @@ cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 // Launches of each dequantize kernel since the process started (tests prove
 // which one a call took): rowwise source, columnwise source staged through
 // shared memory (padded layout, or a single tensor of whole 128-row tiles)
-// with 16-byte output stores, columnwise source transposed in registers
-// (any other layout), and the staged tile whose 16-bit output leaves through
-// TMA stores (where the output's base takes a tensor map).
+// with 16-byte output stores (fp32 outputs), columnwise source transposed in
+// registers (any other layout), and the staged tile whose 16-bit output
+// leaves through TMA stores (bf16 and fp16 outputs; the 16-byte stores only
+// where the driver has no tensor maps or the output passes 2^31 rows).
 enum class DequantizeKernel {
   kRows = 0,
   kColumnsStaged = 1,

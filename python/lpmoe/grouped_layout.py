@@ -21,7 +21,9 @@ import torch
 
 from lpmoe.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 
-__all__ = ["ShapeKind", "PADDED_ROW_ALIGNS", "member_sizes", "capacity_sizes", "buffer_dtypes", "BUFFERS", "cdiv", "rup"]
+__all__ = ["ShapeKind", "PADDED_ROW_ALIGNS", "member_sizes", "capacity_sizes", "buffer_dtypes", "BUFFERS", "cdiv",
+           "rup"]
+
 
 class ShapeKind(enum.Enum):
     """Which member dims vary (lpmoe.grouped_tensor's module docstring)."""

@@ -11,6 +11,9 @@ torch.compile the computation is the custom op ``lpmoe::splits_to_offsets``
 Each output j is ``out_j[0] = 0``, ``out_j[t+1] = out_j[t] + round_up(s_t,
 align_j) * stride_j`` (times ``second[t]`` when ``times_second[j]``), i.e.
 N+1 int64 entries.
+
+``sharing_offsets`` scopes one layer call: groups built over the same dims
+tensor inside it share one offsets computation (see its docstring).
 """
 from __future__ import annotations
 
