@@ -178,31 +178,37 @@ __device__ __forceinline__ void bf16_epilogue(const float* res, uint8_t* stage_o
 }
 
 // A math warp's 16 x BlockN fragment as a bf16 strip in shared memory, the
-// layout of the TMA-store epilogues (block_scaled.h: boxes of 16 rows x
-// kStoreBoxCols columns, 64-byte rows, 64-byte swizzle): fragment j (tile
-// columns 8j..8j+7) is one 16-byte chunk of a row in box j / 4, at chunk
-// (j % 4) ^ ((row / 2) % 4); rows r and r + 8 are 512 bytes apart.  One
-// stmatrix x4 writes fragments j and j + 1 (four 8 x 8 matrices: rows 0-7 and
-// 8-15 of each; lanes 8m..8m+7 address matrix m's rows), a quarter of the
-// shared-store instructions of 4-byte stores from the wgmma fragment.  Ends
-// with the proxy fence and a warp barrier: lane 0 may then hand the boxes to
-// bulk tensor stores.
-template <int BlockN>
+// layout of the TMA-store epilogues: boxes of 16 rows x BoxCols columns,
+// BoxCols * 2-byte rows with the swizzle of that width (block_scaled.h:
+// kStoreBoxCols, 64-byte rows; the wgrad kernel's kWgradStoreBoxCols,
+// 128-byte rows).  Fragment j (tile columns 8j..8j+7) is one 16-byte chunk
+// of a row in box j / (BoxCols / 8), at chunk (j % C) ^ ((row / S) % C) with
+// C = BoxCols / 8 chunks a row (S = 2 for 64-byte rows, 1 for 128: the
+// swizzle's pattern).  One stmatrix x4 writes fragments j and j + 1 (four
+// 8 x 8 matrices: rows 0-7 and 8-15 of each; lanes 8m..8m+7 address matrix
+// m's rows), a quarter of the shared-store instructions of 4-byte stores
+// from the wgmma fragment; either swizzle puts the 8 rows of a matrix in 8
+// distinct bank groups.  Ends with the proxy fence and a warp barrier: lane 0
+// may then hand the boxes to bulk tensor stores.
+template <int BlockN, int BoxCols = kStoreBoxCols>
 __device__ __forceinline__ void write_bf16_strip(const float* res, uint8_t* strip, int lane) {
 #if LPMOE_SM90A_DEVICE
+  static_assert(BoxCols == 32 || BoxCols == 64, "64- or 128-byte box rows");
   static_assert(BlockN % 16 == 0, "stmatrix x4 takes two fragments");
-  static_assert(BlockN % kStoreBoxCols == 0, "whole store boxes");
+  static_assert(BlockN % BoxCols == 0, "whole store boxes");
+  constexpr int kChunks = BoxCols / 8;              // 16-byte chunks a box row
+  constexpr int kBoxBytes = 16 * BoxCols * 2;
   const int row = (lane % 8) + 8 * ((lane / 8) % 2);  // the strip row this lane addresses
   const int second = lane / 16;                         // 1: the lane addresses fragment j + 1
-  const int swz = (row >> 1) & 3;
-  uint8_t* at_row = strip + row * 64;
+  const int swz = (BoxCols == 32 ? row >> 1 : row) & (kChunks - 1);
+  uint8_t* at_row = strip + row * (BoxCols * 2);
   auto bf16x2 = [](float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   };
 #pragma unroll
-  for (int j = 0; j < BlockN / 8; j += 2) {  // j even: fragments j and j + 1 share box j / 4
-    uint8_t* at = at_row + (j / 4) * kStoreBoxBytes + ((((j % 4) + second) ^ swz) * 16);
+  for (int j = 0; j < BlockN / 8; j += 2) {  // j even: fragments j and j + 1 share a box
+    uint8_t* at = at_row + (j / kChunks) * kBoxBytes + ((((j % kChunks) + second) ^ swz) * 16);
     cute::SM90_U32x4_STSM_N::copy(bf16x2(res[4 * j], res[4 * j + 1]), bf16x2(res[4 * j + 2], res[4 * j + 3]),
                                   bf16x2(res[4 * j + 4], res[4 * j + 5]), bf16x2(res[4 * j + 6], res[4 * j + 7]),
                                   *reinterpret_cast<cute::uint128_t*>(at));
@@ -215,17 +221,17 @@ __device__ __forceinline__ void write_bf16_strip(const float* res, uint8_t* stri
 // The TMA-store epilogue shared by the fprop/dgrad and wgrad kernels: the
 // warp writes its strip (write_bf16_strip), then lane 0 hands each box to
 // `store_box(box, col)` (a 2-D or 3-D bulk tensor store: the kernels' output
-// maps differ) for tile columns col = col0 + b * kStoreBoxCols, skipping
-// boxes wholly past n_cols (the map clips a partial one), and commits them
-// as one bulk group.  The caller makes sure the strip is free.
-template <int BlockN, class StoreBox>
+// maps differ) for tile columns col = col0 + b * BoxCols, skipping boxes
+// wholly past n_cols (the map clips a partial one), and commits them as one
+// bulk group.  The caller makes sure the strip is free.
+template <int BlockN, int BoxCols = kStoreBoxCols, class StoreBox>
 __device__ __forceinline__ void store_bf16_strip(const float* res, uint8_t* strip, int lane, int col0, int n_cols,
                                                  StoreBox&& store_box) {
-  write_bf16_strip<BlockN>(res, strip, lane);
+  write_bf16_strip<BlockN, BoxCols>(res, strip, lane);
   if (lane == 0) {
 #pragma unroll
-    for (int b = 0; b < BlockN / kStoreBoxCols; ++b) {
-      if (col0 + b * kStoreBoxCols < n_cols) store_box(strip + b * kStoreBoxBytes, col0 + b * kStoreBoxCols);
+    for (int b = 0; b < BlockN / BoxCols; ++b) {
+      if (col0 + b * BoxCols < n_cols) store_box(strip + b * (16 * BoxCols * 2), col0 + b * BoxCols);
     }
     cute::tma_store_arrive();
   }

@@ -31,8 +31,9 @@ bool encode_fp32_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t 
 bool encode_bf16_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint32_t box_cols,
                           uint32_t box_rows);
 
-// The same boxes over a (members, rows, cols) packed bf16 tensor; the
-// coordinates are (col, row, member), and each member clips at its own
+// The same over a (members, rows, cols) packed bf16 tensor, with boxes of
+// 64- or 128-byte rows (box_cols 32 or 64) and the swizzle of that width;
+// the coordinates are (col, row, member), and each member clips at its own
 // `rows` and `cols`.
 bool encode_bf16_members_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
                              uint32_t box_cols, uint32_t box_rows);

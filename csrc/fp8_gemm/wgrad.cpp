@@ -101,7 +101,7 @@ cudaError_t run_wgrad(const gemm::GroupedGemmArgs& args, int64_t token_capacity,
   // Fresh bf16 output through TMA stores where the driver takes the map
   // (else the staged stores, same bits).
   if (p.out_bf16 && !p.accumulate && args.d != nullptr &&
-      encode_bf16_members_map(&p.out_map, args.d, args.k, args.n, g, kStoreBoxCols, 16)) {
+      encode_bf16_members_map(&p.out_map, args.d, args.k, args.n, g, kWgradStoreBoxCols, 16)) {
     p.out_bf16_tma = 1;
   }
   cudaError_t st = launch_wgrad_maps(a_template, b_template, a_base, b_base, p, args.stream);

@@ -41,7 +41,7 @@ struct WgradParams {
   int out_bf16_tma = 0;
   // A map over d as (K, N, G): fp32 with (32 x 16) boxes and 128-byte
   // swizzle, through which the epilogue stores; or, with out_bf16_tma, bf16
-  // with (kStoreBoxCols x 16) boxes and 64-byte swizzle (the strip of
+  // with (kWgradStoreBoxCols x 16) boxes and 128-byte swizzle (the strip of
   // write_bf16_strip).
   CUtensorMap out_map{};
   // 1: the main_grad kernel that takes its tiles from the counter
@@ -56,6 +56,10 @@ struct WgradParams {
 // empty barrier and a tile index per slot).
 constexpr int kWgradFeedSlots = 4;
 constexpr int kWgradFeedBytes = kWgradFeedSlots * (2 * 8 + 4);
+
+// bf16 store box of the fresh-output TMA epilogue: 16 rows x 64 columns
+// (128-byte rows; the fprop kernel's boxes have 64-byte rows).
+constexpr int kWgradStoreBoxCols = 64;
 
 // fp32 epilogue box of one math warp: its 16 rows x 32 columns (128-byte rows).
 constexpr int kWgradBoxCols = 32;

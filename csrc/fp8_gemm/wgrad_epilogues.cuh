@@ -174,7 +174,7 @@ __device__ __forceinline__ void store_bf16_tma(const WgradParams& p, const float
                                                int tile_col0, int lane, uint8_t* strip) {
   if (lane == 0) cute::tma_store_wait<0>();
   __syncwarp();
-  store_bf16_strip<BlockN>(res, strip, lane, tile_col0, p.k_cols, [&](uint8_t* box, int col) {
+  store_bf16_strip<BlockN, kWgradStoreBoxCols>(res, strip, lane, tile_col0, p.k_cols, [&](uint8_t* box, int col) {
     cute::SM90_TMA_STORE_3D::copy(&p.out_map, box, col, warp_row0, group);
   });
 }
