@@ -53,7 +53,8 @@ constexpr int kEpilogueWarpBytes = 16 * kEpilogueRowBytes;
 // stores drain while the warp goes on to the next tile, and the strip is
 // rewritten only after they have read it (a tile later).
 constexpr int kStoreBoxCols = 32;
-constexpr int kStoreBoxBytes = 16 * kStoreBoxCols * 2;  // 1 KB, 1024-byte aligned
+// Bytes of one 16-row bf16 store box (1 KB at kStoreBoxCols: 1024-byte aligned).
+constexpr int store_box_bytes(int box_cols) { return 16 * box_cols * 2; }
 constexpr int kSmemLimit = 232448;  // sm_90 opt-in dynamic shared memory per block
 
 template <int BlockN>

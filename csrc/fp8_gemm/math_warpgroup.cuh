@@ -197,7 +197,7 @@ __device__ __forceinline__ void write_bf16_strip(const float* res, uint8_t* stri
   static_assert(BlockN % 16 == 0, "stmatrix x4 takes two fragments");
   static_assert(BlockN % BoxCols == 0, "whole store boxes");
   constexpr int kChunks = BoxCols / 8;              // 16-byte chunks a box row
-  constexpr int kBoxBytes = 16 * BoxCols * 2;
+  constexpr int kBoxBytes = store_box_bytes(BoxCols);
   const int row = (lane % 8) + 8 * ((lane / 8) % 2);  // the strip row this lane addresses
   const int second = lane / 16;                         // 1: the lane addresses fragment j + 1
   const int swz = (BoxCols == 32 ? row >> 1 : row) & (kChunks - 1);
@@ -231,7 +231,7 @@ __device__ __forceinline__ void store_bf16_strip(const float* res, uint8_t* stri
   if (lane == 0) {
 #pragma unroll
     for (int b = 0; b < BlockN / BoxCols; ++b) {
-      if (col0 + b * BoxCols < n_cols) store_box(strip + b * (16 * BoxCols * 2), col0 + b * BoxCols);
+      if (col0 + b * BoxCols < n_cols) store_box(strip + b * store_box_bytes(BoxCols), col0 + b * BoxCols);
     }
     cute::tma_store_arrive();
   }

@@ -56,7 +56,6 @@ bool encode_bf16_rows_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t 
 
 bool encode_bf16_members_map(CUtensorMap* map, void* base, uint64_t cols, uint64_t rows, uint64_t members,
                              uint32_t box_cols, uint32_t box_rows) {
-  if (box_cols * 2 != 64 && box_cols * 2 != 128) return false;
   return encode_output_map(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, cols, rows, members, box_cols, box_rows);
 }
 
