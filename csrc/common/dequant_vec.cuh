@@ -64,10 +64,43 @@ __device__ __forceinline__ uint4 dequant_chunk(typename DequantChunk<OType>::Byt
   return out;
 }
 
+// Where a dequantize writes its output vectors.
+enum class Space { kGlobal, kShared };
+
+// One 16-byte store at p (16-byte aligned).  Written as explicit vector
+// instructions because NVVM splits a plain `*(uint4*)p = v` into four 4-byte
+// stores wherever it cannot prove the alignment from the address arithmetic
+// (found in the MXFP8 and FP8 block rowwise dequantize kernels' PTX: four
+// st.global.u32 per vector).
+template <Space kSpace>
+__device__ __forceinline__ void store16(void* p, uint4 v) {
+  if constexpr (kSpace == Space::kGlobal) {
+    __stwb(reinterpret_cast<uint4*>(p), v);  // st.global.wb = the default store
+  } else {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+  }
+}
+
+// Eight fp32 values as OType (round to nearest even) at dst (16-byte
+// aligned, in kSpace): one 16-byte store for 16-bit outputs, two for fp32.
+template <typename OType, Space kSpace = Space::kGlobal>
+__device__ __forceinline__ void store8(OType* dst, const float (&v)[8]) {
+  if constexpr (sizeof(OType) == 4) {
+    store16<kSpace>(dst, make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                                    __float_as_uint(v[3])));
+    store16<kSpace>(dst + 4, make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
+                                        __float_as_uint(v[7])));
+  } else {
+    store16<kSpace>(dst, make_uint4(pack2<OType>(v[0], v[1]), pack2<OType>(v[2], v[3]), pack2<OType>(v[4], v[5]),
+                                    pack2<OType>(v[6], v[7])));
+  }
+}
+
 // Eight FP8 bytes (low byte first), element e times scale[e], stored as
-// eight OType values at dst (16-byte aligned): one 16-byte store for 16-bit
-// outputs, two for fp32.
-template <typename OType, bool kE5M2>
+// eight OType values at dst (16-byte aligned, in kSpace).
+template <typename OType, bool kE5M2, Space kSpace = Space::kGlobal>
 __device__ __forceinline__ void dequant8_store(OType* dst, uint2 q, const float (&scale)[8]) {
   float v[8];
 #pragma unroll
@@ -76,20 +109,14 @@ __device__ __forceinline__ void dequant8_store(OType* dst, uint2 q, const float 
     v[2 * i] = __fmul_rn(f.x, scale[2 * i]);
     v[2 * i + 1] = __fmul_rn(f.y, scale[2 * i + 1]);
   }
-  if constexpr (sizeof(OType) == 4) {
-    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else {
-    *reinterpret_cast<uint4*>(dst) =
-        make_uint4(pack2<OType>(v[0], v[1]), pack2<OType>(v[2], v[3]), pack2<OType>(v[4], v[5]), pack2<OType>(v[6], v[7]));
-  }
+  store8<OType, kSpace>(dst, v);
 }
 
 // The same with one scale for all eight.
-template <typename OType, bool kE5M2>
+template <typename OType, bool kE5M2, Space kSpace = Space::kGlobal>
 __device__ __forceinline__ void dequant8_store(OType* dst, uint2 q, float scale) {
   const float s[8] = {scale, scale, scale, scale, scale, scale, scale, scale};
-  dequant8_store<OType, kE5M2>(dst, q, s);
+  dequant8_store<OType, kE5M2, kSpace>(dst, q, s);
 }
 
 }  // namespace lpmoe

@@ -1,6 +1,6 @@
-// 8-element vector I/O shared by the quantize/dequantize kernels: inputs are
-// kept in registers in their own 16-bit (or 32-bit) dtype, outputs are
-// written with 16-byte stores.
+// 8-element vector input shared by the quantize kernels: inputs are kept in
+// registers in their own 16-bit (or 32-bit) dtype.  (Dequantize outputs:
+// dequant_vec.cuh.)
 #pragma once
 
 #include <cstdint>
@@ -41,25 +41,6 @@ __device__ __forceinline__ float elem(const RawVec8<IType>& v, int e) {
     return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
   } else {
     return to_float<IType>(reinterpret_cast<const IType*>(&v)[e]);
-  }
-}
-
-// kN (multiple of 8) fp32 values -> OType with round-to-nearest-even, 16-byte stores.
-template <typename OType, int kN>
-__device__ __forceinline__ void store_vec(OType* p, const float (&v)[kN]) {
-  if constexpr (sizeof(OType) == 4) {
-#pragma unroll
-    for (int i = 0; i < kN / 4; ++i)
-      reinterpret_cast<float4*>(p)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kN / 8; ++i) {
-      uint4 raw;
-      OType* e = reinterpret_cast<OType*>(&raw);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) e[k] = from_float<OType>(v[8 * i + k]);
-      reinterpret_cast<uint4*>(p)[i] = raw;
-    }
   }
 }
 

@@ -51,8 +51,8 @@ __device__ __forceinline__ float tile_scale_2d(const DequantizeArgs& args, const
 
 // 8 K columns x 8 tokens of FP8 (chunk[e]: the 8 token bytes of column e,
 // token r in byte r) written as 8 output rows of 8 values (scale[e] for
-// column e) at dst, dst + ld, ...; rows >= rows_left are skipped.
-template <typename OType, bool kE5M2>
+// column e) at dst, dst + ld, ... (in kSpace); rows >= rows_left are skipped.
+template <typename OType, bool kE5M2, Space kSpace = Space::kGlobal>
 __device__ __forceinline__ void store_transposed8(OType* dst, int64_t ld, const uint2 (&chunk)[8], const float (&s)[8],
                                                   int rows_left) {
 #pragma unroll
@@ -69,7 +69,7 @@ __device__ __forceinline__ void store_transposed8(OType* dst, int64_t ld, const 
       const uint32_t b3 = (word ? chunk[4 * h + 3].y : chunk[4 * h + 3].x) >> shift;
       w[h] = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
     }
-    dequant8_store<OType, kE5M2>(dst, make_uint2(w[0], w[1]), s);
+    dequant8_store<OType, kE5M2, kSpace>(dst, make_uint2(w[0], w[1]), s);
   }
 }
 
@@ -300,7 +300,7 @@ __device__ __forceinline__ void dequantize_columns_staged_tma(const DequantizeAr
     }
     if (mine[t]) {
       if (whole) {
-        store_transposed8<OType, kE5M2>(out_tile + tok0 * kTile + 8 * c, kTile, q[t], s[t], kTile);
+        store_transposed8<OType, kE5M2, Space::kShared>(out_tile + tok0 * kTile + 8 * c, kTile, q[t], s[t], kTile);
       } else {
         store_transposed8<OType, kE5M2>(static_cast<OType*>(args.out) + (ti[t].row0 + tok0) * K + col0 + 8 * c, K,
                                         q[t], s[t], ti[t].rows_valid - tok0);

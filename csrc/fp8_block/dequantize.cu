@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_rows_kernel(const Dequant
   for (int p = 0; p < kPasses; ++p) {
     const int row = row_base + row_in_pass + kRowsPerPass * p;
     if (row < ti.rows_valid)
-      *reinterpret_cast<uint4*>(out + row * K) = dequant_chunk<OType, kE5M2>(raw[p], s[p]);
+      store16<Space::kGlobal>(out + row * K, dequant_chunk<OType, kE5M2>(raw[p], s[p]));
   }
 }
 

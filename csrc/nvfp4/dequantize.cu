@@ -6,7 +6,7 @@
 #include "common/cuda_utils.h"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
-#include "common/vec_io.cuh"
+#include "common/dequant_vec.cuh"
 #include "grouped/row_tiles.cuh"
 #include "nvfp4/nvfp4.h"
 
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeAr
     float v[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) v[e] = __fmul_rn(e2m1_decode((packed[r] >> (4 * e)) & 0xF), fin);
-    store_vec<OType, kVec>(out, v);
+    store8<OType>(out, v);
   }
 }
 
