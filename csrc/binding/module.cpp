@@ -20,7 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // parameters with fp32 master weights).  8: grouped_gemm_cutlass also
   // says whether the wgrad kernel's bf16 output left through TMA stores.
   // 9: fp8_block_dequantize_kernel_launches counts the TMA-store staged tile.
-  m.attr("BINDING_VERSION") = 9;
+  // 10: mxfp8_dequantize_kernel_launches.
+  m.attr("BINDING_VERSION") = 10;
   m.def("splits_to_offsets", &lpmoe::binding::splits_to_offsets, py::arg("splits"), py::arg("num_splits"),
         py::arg("uniform_split"), py::arg("strides"), py::arg("aligns"), py::arg("times_second"),
         py::arg("second"), py::arg("capacity_rows"),
@@ -32,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_block_dequantize", &lpmoe::binding::fp8_block_dequantize);
   m.def("mxfp8_quantize", &lpmoe::binding::mxfp8_quantize);
   m.def("mxfp8_dequantize", &lpmoe::binding::mxfp8_dequantize);
+  m.def("mxfp8_dequantize_kernel_launches", &lpmoe::binding::mxfp8_dequantize_kernel_launches);
   m.def("nvfp4_quantize", &lpmoe::binding::nvfp4_quantize);
   m.def("nvfp4_dequantize", &lpmoe::binding::nvfp4_dequantize);
   m.def("activation_forward", &lpmoe::binding::activation_forward);

@@ -106,6 +106,12 @@ void mxfp8_dequantize(const at::Tensor& data, const at::Tensor& scale, bool colu
   LPMOE_CHECK_LAUNCH(mxfp8::launch_dequantize(a, current_stream()), "mxfp8 dequantize");
 }
 
+std::tuple<int64_t, int64_t> mxfp8_dequantize_kernel_launches() {
+  using mxfp8::DequantizeKernel;
+  return {mxfp8::dequantize_kernel_launches(DequantizeKernel::kStores),
+          mxfp8::dequantize_kernel_launches(DequantizeKernel::kTmaStores)};
+}
+
 void nvfp4_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& padded_row_offsets,
                     int64_t num_tensors, bool swizzled, const c10::optional<at::Tensor>& out_data,
                     const c10::optional<at::Tensor>& out_scale, const c10::optional<at::Tensor>& out_col_data,

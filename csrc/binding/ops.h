@@ -50,6 +50,8 @@ void mxfp8_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& pa
                     const c10::optional<at::Tensor>& out_scale, const c10::optional<at::Tensor>& out_col_data,
                     const c10::optional<at::Tensor>& out_col_scale, const c10::optional<at::Tensor>& noop,
                     int64_t num_tiles);
+// Launches of the MXFP8 dequantize kernels: (16-byte stores, TMA-store tiles).
+std::tuple<int64_t, int64_t> mxfp8_dequantize_kernel_launches();
 void mxfp8_dequantize(const at::Tensor& data, const at::Tensor& scale, bool columnwise, bool swizzled, bool e5m2,
                       const c10::optional<at::Tensor>& padded_row_offsets, int64_t num_tensors, bool by_elements,
                       const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& first_dims,

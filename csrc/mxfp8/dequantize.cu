@@ -1,82 +1,91 @@
 // MXFP8 dequantize: y = OType(fl(2^(e-127) * float(q))) (formats.md §2.4),
 // rowwise or columnwise source, compact or swizzled scales, any shape kind.
 // The output has the data's element layout (members at the same offsets).
+// One CTA per 128x128 tile (dequant_tile.cuh); 16-bit outputs of the rows
+// layout leave whole tiles through TMA stores.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
+#include <climits>
+#include <type_traits>
+
 #include "common/cuda_utils.h"
-#include "common/dequant_vec.cuh"
-#include "common/mx_numerics.cuh"
-#include "common/numerics.cuh"
-#include "common/vec_io.cuh"
-#include "mxfp8/member_tiles.cuh"
+#include "common/tensor_maps.h"
+#include "mxfp8/dequant_tile.cuh"
 #include "mxfp8/mxfp8.h"
 
 namespace lpmoe {
 namespace mxfp8 {
 namespace {
+using dequant_detail::kThreads;
 
-constexpr int kThreads = 256;
-constexpr int kVec = 8;
-constexpr int kRows = 8;
+std::atomic<int64_t> g_launches[static_cast<int>(DequantizeKernel::kCount)];
+void count_launch(DequantizeKernel k) { g_launches[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 
 template <typename OType, bool kE5M2, bool kColumnwise>
-__global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeArgs args) {
-  MxTile t;
-  if (!locate_mx_tile(args.members, args.rows, args.cols, args.numel, blockIdx.x, t)) return;
-  const int c = threadIdx.x & 15;
-  const int g = threadIdx.x >> 4;
-  if (c * kVec >= t.cols_valid) return;
-  const uint8_t* q = static_cast<const uint8_t*>(args.data);
-  OType* out = static_cast<OType*>(args.out);
+__global__ void __launch_bounds__(kThreads) dequantize_stores_kernel(const DequantizeArgs args) {
+  dequant_detail::dequantize_tile_stores<OType, kE5M2, kColumnwise>(args, blockIdx.x);
+}
 
-  // Rows g*8..g*8+7 from running offsets (one add per row); every load,
-  // scale bytes included, is issued before the first conversion.
-  const int64_t first = t.data_base + (t.r0 + g * kRows) * t.k + t.c0 + c * kVec;
-  const uint8_t* src = q + first;
-  uint2 bytes[kRows];
-  uint32_t row_e8[kRows];
-  const uint8_t* row_scale = args.scale + row_scale_index(t, t.r0 + g * kRows, t.c0 / 32 + c / 4, args.swizzled);
-  const int64_t row_scale_step = args.swizzled ? 16 : t.sx;  // inside one 128-row tile
-#pragma unroll
-  for (int r = 0; r < kRows; ++r, src += t.k) {
-    if (g * kRows + r < t.rows_valid) {
-      bytes[r] = __ldg(reinterpret_cast<const uint2*>(src));
-      if constexpr (!kColumnwise) row_e8[r] = __ldg(row_scale + r * row_scale_step);
+template <typename OType, bool kE5M2, bool kColumnwise>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_tma_kernel(const DequantizeArgs args, const __grid_constant__ CUtensorMap out_map) {
+  __shared__ __align__(128) uint8_t smem[dequant_detail::kOutTileBytes];
+#if defined(CUTE_ARCH_TMA_SM90_ENABLED)
+  dequant_detail::dequantize_tile_tma<OType, kE5M2, kColumnwise>(args, &out_map, blockIdx.x, smem);
+#else  // code built for an architecture without TMA (e.g. sm_90 without "a"): the 16-byte stores
+  dequant_detail::dequantize_tile_stores<OType, kE5M2, kColumnwise>(args, blockIdx.x);
+#endif
+}
+
+// The whole (rows, cols) output in 128 x 128 boxes: the rows layout only
+// (varying-K members are not one matrix), 16-byte aligned base (the row
+// pitch, cols % 16 == 0 16-bit values, always is), int box coordinates.
+// False: the 16-byte stores.
+template <typename OType>
+bool encode_output_tiles(CUtensorMap* map, const DequantizeArgs& a) {
+  static_assert(sizeof(OType) == 2, "16-bit outputs");
+  const CUtensorMapDataType type =
+      std::is_same_v<OType, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return !a.members.by_elements && reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && a.rows <= INT_MAX &&
+         a.cols <= INT_MAX && a.cols % 16 == 0 &&
+         encode_matrix_map(map, type, 2, a.out, static_cast<uint64_t>(a.rows), static_cast<uint64_t>(a.cols),
+                           static_cast<uint32_t>(kTile), static_cast<uint32_t>(kTile), CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
+template <typename OType, bool kE5M2, bool kColumnwise>
+cudaError_t launch_dir(const DequantizeArgs& a, cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>(a.num_tiles));
+  if constexpr (sizeof(OType) == 2) {
+    CUtensorMap out_map;
+    if (encode_output_tiles<OType>(&out_map, a)) {
+      count_launch(DequantizeKernel::kTmaStores);
+      dequantize_tma_kernel<OType, kE5M2, kColumnwise><<<grid, kThreads, 0, s>>>(a, out_map);
+      return cudaGetLastError();
     }
   }
-  float col_mult[kVec];
-  if constexpr (kColumnwise) {
-    const int64_t mblk = (t.r0 + g * kRows) / 32;
-    // column k+1's byte: 16 bytes on when swizzled (same 32-column group), 1 when compact
-    const uint8_t* col_scale = args.scale + col_scale_index(t, mblk, t.c0 + c * kVec, args.swizzled);
-    const int step = args.swizzled ? 16 : 1;
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) col_mult[e] = exp2f_e8m0(__ldg(col_scale + e * step));
-  }
-  OType* dst = out + first;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r, dst += t.k) {
-    if (g * kRows + r >= t.rows_valid) continue;
-    if constexpr (kColumnwise) dequant8_store<OType, kE5M2>(dst, bytes[r], col_mult);
-    else dequant8_store<OType, kE5M2>(dst, bytes[r], exp2f_e8m0(row_e8[r]));
-  }
+  count_launch(DequantizeKernel::kStores);
+  dequantize_stores_kernel<OType, kE5M2, kColumnwise><<<grid, kThreads, 0, s>>>(a);
+  return cudaGetLastError();
 }
 
 template <typename OType, bool kE5M2>
-cudaError_t launch_dir(const DequantizeArgs& a, cudaStream_t s) {
-  const dim3 grid(static_cast<unsigned>(a.num_tiles));
-  if (a.columnwise) dequantize_kernel<OType, kE5M2, true><<<grid, kThreads, 0, s>>>(a);
-  else dequantize_kernel<OType, kE5M2, false><<<grid, kThreads, 0, s>>>(a);
-  return cudaGetLastError();
+cudaError_t launch_e(const DequantizeArgs& a, cudaStream_t s) {
+  return a.columnwise ? launch_dir<OType, kE5M2, true>(a, s) : launch_dir<OType, kE5M2, false>(a, s);
 }
 
 template <typename OType>
 cudaError_t launch_typed(const DequantizeArgs& a, cudaStream_t s) {
-  return a.e5m2 ? launch_dir<OType, true>(a, s) : launch_dir<OType, false>(a, s);
+  return a.e5m2 ? launch_e<OType, true>(a, s) : launch_e<OType, false>(a, s);
 }
 
 }  // namespace
+
+int64_t dequantize_kernel_launches(DequantizeKernel kernel) {
+  const int k = static_cast<int>(kernel);
+  return k >= 0 && k < static_cast<int>(DequantizeKernel::kCount) ? g_launches[k].load(std::memory_order_relaxed) : 0;
+}
 
 cudaError_t launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   if (a.num_tiles < 0 || a.num_tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;

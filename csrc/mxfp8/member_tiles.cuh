@@ -16,6 +16,7 @@ constexpr int64_t kTileElems = static_cast<int64_t>(kTile) * kTile;
 
 struct MxTile {
   int64_t data_base;        // element index of the member's (0, 0)
+  int64_t first_row;        // rows layout: the member's first row in the whole (rows, cols) buffer
   int64_t m, k;             // member dims; k is also the data row pitch
   int64_t r0, c0;           // tile origin inside the member
   int rows_valid, cols_valid;
@@ -26,19 +27,28 @@ struct MxTile {
   int64_t rows_padded;      // round_up(m, 128)
 };
 
+// a / b for 0 <= a < 2^31 (a tile index: launches are capped there) and
+// b >= 1, in 32-bit arithmetic (b past 2^31 gives 0, exactly).  A 64-bit
+// division is a called subroutine, and the call made ptxas spill registers
+// in the dequantize kernels.
+__device__ __forceinline__ int64_t tile_div(int64_t a, int64_t b) {
+  return b > 0x7fffffff ? 0 : static_cast<int64_t>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b));
+}
+
 // Tile `linear` of the launch; false for tiles past the last member (capacity
 // tail) and for members that break the varying-dims alignment.
 __device__ __forceinline__ bool locate_mx_tile(const Members& mb, int64_t rows, int64_t cols, int64_t numel,
                                                int64_t linear, MxTile& t) {
   if (!mb.by_elements) {
     const int64_t bx = ceil_div<int64_t>(cols, kTile);
-    const int64_t j = linear / bx;
+    const int64_t j = tile_div(linear, bx);
     const int64_t tx = linear - j * bx;
     grouped::TileInfo ti;
     if (!grouped::locate_tile(mb.rows, rows, j, ti)) return false;
     t.m = ti.m;
     t.k = cols;
-    t.data_base = cols * (ti.row0 - ti.local_tile * kTile);
+    t.first_row = ti.row0 - ti.local_tile * kTile;
+    t.data_base = cols * t.first_row;
     t.r0 = ti.local_tile * kTile;
     t.c0 = tx * kTile;
     t.rows_valid = ti.rows_valid;
@@ -57,11 +67,12 @@ __device__ __forceinline__ bool locate_mx_tile(const Members& mb, int64_t rows, 
     if (m <= 0 || k <= 0 || m % kTile || k % kTile || base % kTileElems || base + m * k > numel) return false;
     const int64_t local = linear - base / kTileElems;
     const int64_t tiles_x = k / kTile;
-    const int64_t ly = local / tiles_x;
+    const int64_t ly = tile_div(local, tiles_x);
     if (ly * kTile >= m) return false;
     t.m = m;
     t.k = k;
     t.data_base = base;
+    t.first_row = -1;  // members of varying K are not rows of one matrix
     t.r0 = ly * kTile;
     t.c0 = (local - ly * tiles_x) * kTile;
     t.rows_valid = kTile;

@@ -72,5 +72,12 @@ struct DequantizeArgs {
 
 cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 
+// Launches of each dequantize kernel since the process started (tests prove
+// which one a call took): 16-byte output stores (fp32 outputs, members of
+// varying K, a driver without tensor maps, outputs past 2^31 rows), and whole
+// 16-bit output tiles through TMA stores (bf16 and fp16 outputs otherwise).
+enum class DequantizeKernel { kStores = 0, kTmaStores = 1, kCount = 2 };
+int64_t dequantize_kernel_launches(DequantizeKernel kernel);
+
 }  // namespace mxfp8
 }  // namespace lpmoe

@@ -9,7 +9,7 @@ import functools
 
 #: the binding interface this package calls (csrc/binding/module.cpp sets
 #: the extension's own; they change together)
-BINDING_VERSION = 9
+BINDING_VERSION = 10
 
 
 @functools.lru_cache(maxsize=None)
