@@ -1,6 +1,7 @@
-// 8-element vector input shared by the quantize kernels: inputs are kept in
-// registers in their own 16-bit (or 32-bit) dtype.  (Dequantize outputs:
-// dequant_vec.cuh.)
+// 8-element vectors in registers, in their own 16-bit (or 32-bit) dtype,
+// shared by the quantize kernels, the activation kernels and the tile
+// staging (tile_stage.cuh): loads, element access, packed amax.  (Dequantize
+// outputs: dequant_vec.cuh.)
 #pragma once
 
 #include <cstdint>

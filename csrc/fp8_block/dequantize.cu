@@ -15,7 +15,6 @@
 #include "common/dequant_vec.cuh"
 #include "common/numerics.cuh"
 #include "common/tensor_maps.h"
-#include "common/vec_io.cuh"
 #include "fp8_block/dequant_columns.cuh"
 #include "fp8_block/fp8_block.h"
 #include "grouped/row_tiles.cuh"

@@ -4,9 +4,9 @@
 #include <cuda_fp16.h>
 
 #include "common/cuda_utils.h"
+#include "common/dequant_vec.cuh"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
-#include "common/dequant_vec.cuh"
 #include "grouped/row_tiles.cuh"
 #include "nvfp4/nvfp4.h"
 
