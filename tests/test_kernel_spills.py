@@ -16,15 +16,14 @@ off those kernels' compute-only time (stop 35).
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _cuda_toolchain import CUTLASS, NVCC, ROOT
+
 # Bytes of spill stores / loads per thread a configuration may report.
 MAX_SPILL_BYTES = 0
 
@@ -38,24 +37,6 @@ def _job_id(job):
     return f"{job[0]}-n{job[1]}c{job[2]}" + ("-fp32acc" if job[3] == "true" else "")
 
 
-def _nvcc():
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    path = os.path.join(home, "bin", "nvcc")
-    return path if os.path.exists(path) else None
-
-
-def _cutlass_include():
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
-    return path if os.path.isdir(path) else None
-
-
-NVCC, CUTLASS = _nvcc(), _cutlass_include()
 pytestmark = pytest.mark.skipif(NVCC is None or CUTLASS is None, reason="needs nvcc and the nvidia-cutlass headers")
 
 SOURCES = {
