@@ -7,6 +7,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <climits>
 #include <cstdint>
 
 namespace lpmoe {
@@ -42,6 +43,19 @@ inline bool encode_matrix_map(CUtensorMap* map, CUtensorMapDataType type, uint64
   const cuuint32_t elem_strides[2] = {1, 1};
   return fn(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
             swizzle, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A 16-bit (rows, cols) output (fp16 or bf16) written in whole 128 x 128
+// tiles by TMA stores (the dequantize kernels' staged output tiles): base
+// 16-byte aligned and cols % 16 == 0 (so the row pitch is a multiple of 16
+// bytes), rows and cols within the kernels' int box coordinates.  False
+// (also where the driver has no TMA): the caller keeps its 16-byte stores.
+inline bool encode_output_tile_map(CUtensorMap* map, bool fp16, void* out, int64_t rows, int64_t cols) {
+  return reinterpret_cast<uintptr_t>(out) % 16 == 0 && rows >= 0 && cols >= 0 && rows <= INT_MAX &&
+         cols <= INT_MAX && cols % 16 == 0 &&
+         encode_matrix_map(map, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out,
+                           static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), 128, 128,
+                           CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 }  // namespace lpmoe

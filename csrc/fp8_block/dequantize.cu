@@ -8,7 +8,6 @@
 #include <cuda_fp16.h>
 
 #include <atomic>
-#include <climits>
 #include <type_traits>
 
 #include "common/cuda_utils.h"
@@ -110,25 +109,10 @@ __global__ void __launch_bounds__(kThreads, 3)
 #if defined(CUTE_ARCH_TMA_SM90_ENABLED)
   dequant_detail::dequantize_columns_staged_tma<OType, kE5M2, kBlockDim>(args, &out_map, blockIdx.x % chunks,
                                                                          static_cast<int>(blockIdx.x / chunks), smem);
-#else  // code built for an architecture without TMA (e.g. sm_90 without "a"): the 16-byte stores
+#else  // code built for an architecture without TMA (below sm_90; Blackwell without "a"/"f"): 16-byte stores
   dequant_detail::dequantize_columns_staged<OType, kE5M2, kBlockDim>(args, blockIdx.x % chunks,
                                                                      static_cast<int>(blockIdx.x / chunks), smem);
 #endif
-}
-
-// The output as 128 x 128 boxes for the TMA-store staged tile: 16-bit
-// outputs whose base the unit takes (16-byte aligned, which the binding
-// already requires; the row pitch, K 16-bit values with K % 16 == 0, always
-// is), with rows and columns that the kernel's int box coordinates reach.
-// False (a driver without TMA, an output past 2^31 rows): the 16-byte stores.
-template <typename OType>
-bool encode_output_tiles(CUtensorMap* map, const DequantizeArgs& a) {
-  static_assert(sizeof(OType) == 2, "16-bit outputs");
-  const CUtensorMapDataType type =
-      std::is_same_v<OType, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  return reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && a.rows <= INT_MAX && a.cols <= INT_MAX &&
-         encode_matrix_map(map, type, 2, a.out, static_cast<uint64_t>(a.rows), static_cast<uint64_t>(a.cols),
-                           static_cast<uint32_t>(kTile), static_cast<uint32_t>(kTile), CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 template <typename OType, bool kE5M2, int kBlockDim>
@@ -138,7 +122,8 @@ cudaError_t launch_dir(const DequantizeArgs& a, int64_t tiles, cudaStream_t s) {
     const auto ctas = static_cast<unsigned>(chunks * (tiles / a.max_row_tiles));
     if constexpr (sizeof(OType) == 2) {
       CUtensorMap out_map;
-      if (encode_output_tiles<OType>(&out_map, a)) {
+      // 128 x 128 boxes over the (rows, K) output (False: the 16-byte stores)
+      if (encode_output_tile_map(&out_map, std::is_same_v<OType, __half>, a.out, a.rows, a.cols)) {
         count_launch(DequantizeKernel::kColumnsStagedTma);
         dequantize_columns_staged_tma_kernel<OType, kE5M2, kBlockDim><<<ctas, kThreads, 0, s>>>(a, out_map, chunks);
         return cudaGetLastError();

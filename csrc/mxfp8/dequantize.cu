@@ -7,7 +7,6 @@
 #include <cuda_fp16.h>
 
 #include <atomic>
-#include <climits>
 #include <type_traits>
 
 #include "common/cuda_utils.h"
@@ -34,24 +33,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ __align__(128) uint8_t smem[dequant_detail::kOutTileBytes];
 #if defined(CUTE_ARCH_TMA_SM90_ENABLED)
   dequant_detail::dequantize_tile_tma<OType, kE5M2, kColumnwise>(args, &out_map, blockIdx.x, smem);
-#else  // code built for an architecture without TMA (e.g. sm_90 without "a"): the 16-byte stores
+#else  // code built for an architecture without TMA (below sm_90; Blackwell without "a"/"f"): 16-byte stores
   dequant_detail::dequantize_tile_stores<OType, kE5M2, kColumnwise>(args, blockIdx.x);
 #endif
-}
-
-// The whole (rows, cols) output in 128 x 128 boxes: the rows layout only
-// (varying-K members are not one matrix), 16-byte aligned base (the row
-// pitch, cols % 16 == 0 16-bit values, always is), int box coordinates.
-// False: the 16-byte stores.
-template <typename OType>
-bool encode_output_tiles(CUtensorMap* map, const DequantizeArgs& a) {
-  static_assert(sizeof(OType) == 2, "16-bit outputs");
-  const CUtensorMapDataType type =
-      std::is_same_v<OType, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  return !a.members.by_elements && reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && a.rows <= INT_MAX &&
-         a.cols <= INT_MAX && a.cols % 16 == 0 &&
-         encode_matrix_map(map, type, 2, a.out, static_cast<uint64_t>(a.rows), static_cast<uint64_t>(a.cols),
-                           static_cast<uint32_t>(kTile), static_cast<uint32_t>(kTile), CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 template <typename OType, bool kE5M2, bool kColumnwise>
@@ -59,7 +43,10 @@ cudaError_t launch_dir(const DequantizeArgs& a, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(a.num_tiles));
   if constexpr (sizeof(OType) == 2) {
     CUtensorMap out_map;
-    if (encode_output_tiles<OType>(&out_map, a)) {
+    // The whole (rows, cols) output in 128 x 128 boxes: the rows layout only
+    // (members of varying K are not rows of one matrix).  False: 16-byte stores.
+    if (!a.members.by_elements &&
+        encode_output_tile_map(&out_map, std::is_same_v<OType, __half>, a.out, a.rows, a.cols)) {
       count_launch(DequantizeKernel::kTmaStores);
       dequantize_tma_kernel<OType, kE5M2, kColumnwise><<<grid, kThreads, 0, s>>>(a, out_map);
       return cudaGetLastError();

@@ -76,8 +76,9 @@ cudaError_t launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
 // which one a call took): 16-byte output stores (fp32 outputs, members of
 // varying K, a driver without tensor maps, outputs past 2^31 rows), and whole
 // 16-bit output tiles through TMA stores (bf16 and fp16 outputs otherwise;
-// code built for an architecture without TMA, below sm_90, runs the 16-byte
-// stores inside that kernel and is counted under it).
+// code built for an architecture without TMA, below sm_90 or a Blackwell
+// target without "a"/"f", runs the 16-byte stores inside that kernel and is
+// counted under it).
 enum class DequantizeKernel { kStores = 0, kTmaStores = 1, kCount = 2 };
 int64_t dequantize_kernel_launches(DequantizeKernel kernel);
 
