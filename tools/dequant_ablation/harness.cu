@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "harness_common.cuh"
 #include "common/dequant_vec.cuh"
 #include "fp8_block/dequant_columns.cuh"
 #include "fp8_block/fp8_block.h"
@@ -59,8 +60,6 @@ inline void launch_staged_stores(const fp8_block::DequantizeArgs& b) {
 #include "probes.cuh"
 #include "tma_store.cuh"
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
-
 __global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ seed; h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
@@ -72,33 +71,15 @@ __global__ void fill_scales(float* p, size_t n) {
     p[i] = ldexpf(1.0f, int(i % 17) - 8);
 }
 
-template <class F>
-float time_ms(F&& f, int reps = 9, int iters = 20) {
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<float> v;
-  for (int r = 0; r < reps; ++r) {
-    cudaEventRecord(a); for (int i = 0; i < iters; ++i) f(); cudaEventRecord(b); cudaEventSynchronize(b);
-    float t; cudaEventElapsedTime(&t, a, b); v.push_back(t / iters);
-  }
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 int main(int argc, char** argv) {
   const int G = argc > 3 ? atoi(argv[1]) : 8;
   const int64_t M = argc > 3 ? atoll(argv[2]) : 8192, K = argc > 3 ? atoll(argv[3]) : 7168;
   const int last_short = argc > 4 ? atoi(argv[4]) : 0;  // tokens taken off the last member (partial tiles)
-  std::vector<int64_t> rows(G + 1), pad(G + 1);
   // argv[5] "skew": 90 % of the G x M tokens in member 0, the rest spread
   // evenly (bench_fp8_block.py's skewed members), before last_short.
   const bool skew = argc > 5 && strcmp(argv[5], "skew") == 0;
-  for (int t = 0; t <= G; ++t) {
-    const int64_t big = G * M * 9 / 10, rest = (G * M - big) / (G - 1);
-    rows[t] = !skew ? t * M : t == 0 ? 0 : t == G ? G * M : big + (t - 1) * rest;
-    if (t == G) rows[t] -= last_short;
-  }
-  for (int t = 0; t <= G; ++t) pad[t] = t == 0 ? 0 : pad[t - 1] + (rows[t] - rows[t - 1] + 127) / 128 * 128;
+  std::vector<int64_t> rows, pad;
+  member_rows(G, M, last_short, skew, rows, pad);
   const int64_t T = rows[G], P = pad[G];
   int64_t* d_rows; int64_t* d_pad;
   CK(cudaMalloc(&d_rows, 8 * (G + 1))); CK(cudaMalloc(&d_pad, 8 * (G + 1)));

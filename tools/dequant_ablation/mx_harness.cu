@@ -15,12 +15,11 @@
 #include <cstring>
 #include <vector>
 
+#include "harness_common.cuh"
 #include "mxfp8/dequant_tile.cuh"
 #include "mxfp8/mxfp8.h"
 
 using namespace lpmoe;
-
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("ERR %s line %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
 
 template <bool kColumnwise>
 __global__ void __launch_bounds__(256) stores_kernel(const mxfp8::DequantizeArgs args) {
@@ -34,31 +33,13 @@ __global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed, uint32_t lo, uin
   }
 }
 
-template <class F>
-float time_ms(F&& f, int reps = 9, int iters = 20) {
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<float> v;
-  for (int r = 0; r < reps; ++r) {
-    cudaEventRecord(a); for (int i = 0; i < iters; ++i) f(); cudaEventRecord(b); cudaEventSynchronize(b);
-    float t; cudaEventElapsedTime(&t, a, b); v.push_back(t / iters);
-  }
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 int main(int argc, char** argv) {
   const int G = argc > 3 ? atoi(argv[1]) : 8;
   const int64_t M = argc > 3 ? atoll(argv[2]) : 8192, K = argc > 3 ? atoll(argv[3]) : 7168;
   const int last_short = argc > 4 ? atoi(argv[4]) : 0;
   const bool skew = argc > 5 && strcmp(argv[5], "skew") == 0;  // 90 % of the tokens in member 0
-  std::vector<int64_t> rows(G + 1), pad(G + 1);
-  for (int t = 0; t <= G; ++t) {
-    const int64_t big = G * M * 9 / 10, rest = G > 1 ? (G * M - big) / (G - 1) : 0;
-    rows[t] = !skew ? t * M : t == 0 ? 0 : t == G ? G * M : big + (t - 1) * rest;
-    if (t == G) rows[t] -= last_short;
-  }
-  for (int t = 0; t <= G; ++t) pad[t] = t == 0 ? 0 : pad[t - 1] + (rows[t] - rows[t - 1] + 127) / 128 * 128;
+  std::vector<int64_t> rows, pad;
+  member_rows(G, M, last_short, skew, rows, pad);
   const int64_t T = rows[G], P = pad[G];
   int64_t *d_rows, *d_pad;
   CK(cudaMalloc(&d_rows, 8 * (G + 1))); CK(cudaMalloc(&d_pad, 8 * (G + 1)));
