@@ -71,7 +71,8 @@ enum class Space { kGlobal, kShared };
 // instructions because NVVM splits a plain `*(uint4*)p = v` into four 4-byte
 // stores wherever it cannot prove the alignment from the address arithmetic
 // (found in the MXFP8 and FP8 block rowwise dequantize kernels' PTX: four
-// st.global.u32 per vector).
+// st.global.u32 per vector; NVFP4's wrote 4-byte st.global.v2.u16;
+// tests/test_kernel_stores.py keeps them whole).
 template <Space kSpace>
 __device__ __forceinline__ void store16(void* p, uint4 v) {
   if constexpr (kSpace == Space::kGlobal) {

@@ -4,10 +4,12 @@
 //    16-byte st.global (any output type, any tile);
 //  * dequantize_tile_tma: a whole 16-bit tile is written row-major into
 //    shared memory and leaves by one TMA bulk tensor store.
-// Why the second: the output rows of a tile are 256-byte pieces of longer
-// rows, and 16-byte stores of that pattern run at ~0.84 of the copy's rate on
-// the H100, where bulk tensor stores of the same bytes run at the copy's rate
-// (docs/perf-notes.md, issue 13 stop 57 and stop 58).
+// Why the second: a tile's output rows are 256-byte pieces of longer rows.
+// Bulk tensor stores write that pattern at the copy's rate, where 16-byte
+// st.global reached ~0.84 of it in stop 57's probe.  Measured on this tile
+// (tools/dequant_ablation/mx_harness.cu, H100): 0.94-0.96 of a same-size copy
+// with the bulk store against 0.94-0.95 with 16-byte stores, never slower
+// (docs/perf-notes.md, issue 13 stops 57 and 58).
 //
 // Thread (g, c) of 256 owns rows 8g..8g+7 and columns 8c..8c+7 of the tile;
 // every load (data and scale bytes) is issued before the first conversion.
