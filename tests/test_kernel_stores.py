@@ -7,7 +7,7 @@ four 4-byte `st.global.u32` (and NVFP4's 16-bit outputs into 4-byte
 `st.global.v2.u16`) where the index arithmetic hid the alignment; the
 kernels ran at 0.88-0.93 of copy instead of 0.92-0.97 and every bit-exact
 test still passed (docs/perf-notes.md, issue 13 stop 58).  They now write
-through `store16` (common/vec_io.cuh); this test keeps it that way, and
+through `store16` (common/dequant_vec.cuh); this test keeps it that way, and
 keeps ptxas from spilling in them (the MXFP8 kernels spilled while a 64-bit
 division subroutine was called in their tile lookup).
 """
