@@ -103,3 +103,24 @@ def load_example(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal (dtype included), except that any NaN equals any NaN:
+    NaN payloads are not specified by the formats."""
+    a, b = a.cpu(), b.cpu()
+    nan = a.isnan()
+    if a.dtype != b.dtype or not torch.equal(nan, b.isnan()):
+        return False
+    bits = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[a.element_size()]
+    return torch.equal(a[~nan].view(bits), b[~nan].view(bits))
+
+
+def launches_since(before, after) -> tuple:
+    """Per-kernel launch counts between two readings of a counter tuple."""
+    return tuple(a - b for a, b in zip(after, before))
+
+
+def only(kernel: int, kinds: int) -> tuple:
+    """The launch-count delta of one launch of `kernel` among `kinds` kernels."""
+    return tuple(int(i == kernel) for i in range(kinds))

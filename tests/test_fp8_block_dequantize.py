@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lpmoe
-from conftest import capture_graph, poison_, poison_allocator, requires_cuda
+from conftest import capture_graph, launches_since, only, poison_, poison_allocator, requires_cuda, same_bits
 from lpmoe import Float8BlockQuantizer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -28,14 +28,6 @@ def _launches():
 ROWS, STAGED, REGISTERS, STAGED_TMA = range(4)
 
 
-def _ran(before, after):
-    return tuple(a - b for a, b in zip(after, before))
-
-
-def _one(kernel):
-    return tuple(int(i == kernel) for i in range(4))
-
-
 def _random_codes_(t: torch.Tensor, gen: torch.Generator) -> None:
     """Every byte value (NaN, inf for E5M2, subnormals, zeros of both signs)."""
     t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
@@ -46,16 +38,6 @@ def _random_scales_(t: torch.Tensor, gen: torch.Generator) -> None:
     e = torch.randint(-130, 21, t.shape, generator=gen).float()
     m = 1 + torch.rand(t.shape, generator=gen) * (torch.rand(t.shape, generator=gen) < 0.5)
     t.copy_(torch.ldexp(m, e))
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise, except that any NaN equals any NaN (its payload is not specified)."""
-    a, b = a.cpu(), b.cpu()
-    nan = a.isnan()
-    if a.dtype != b.dtype or not torch.equal(nan, b.isnan()):
-        return False
-    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
-    return torch.equal(a[~nan].view(bits), b[~nan].view(bits))
 
 
 def _grouped_pair(splits, k, q, capacity_extra, seed):
@@ -94,10 +76,10 @@ def test_gpu_group_dequantize_columns_staged_every_code(fp8, block_dim, out_dtyp
     # 16-bit outputs leave through TMA stores (whole token tiles) and 16-byte
     # stores (the members' partial last tiles); fp32 through 16-byte stores.
     kernel = STAGED if out_dtype == torch.float32 else STAGED_TMA
-    assert _ran(before, _launches()) == _one(kernel)
+    assert launches_since(before, _launches()) == only(kernel, 4)
     yc = lpmoe.group_dequantize(gc, out_dtype)
     n = sum(splits) * k
-    assert _same(yc.rowwise_data[:n], yg.rowwise_data[:n])
+    assert same_bits(yc.rowwise_data[:n], yg.rowwise_data[:n])
     # The same launch into a poisoned output of our own: the valid rows
     # equal, the capacity tail's bytes untouched (no TMA box reaches past a
     # member's rows).
@@ -109,7 +91,7 @@ def test_gpu_group_dequantize_columns_staged_every_code(fp8, block_dim, out_dtyp
     ext().fp8_block_dequantize(gg.columnwise_data, gg.columnwise_scale_inv, True, True, fp8 == E5M2, block_dim,
                                rows, k, gg.padded_row_offsets, gg.num_tensors, out, max_row_tiles(gg))
     torch.cuda.synchronize()
-    assert _ran(before, _launches()) == _one(kernel)
+    assert launches_since(before, _launches()) == only(kernel, 4)
     assert torch.equal(out[:n].view(torch.uint8), yg.rowwise_data[:n].view(torch.uint8))
     assert bool((out[n:].view(torch.uint8) == 0xA5).all())
 
@@ -135,10 +117,10 @@ def test_gpu_group_dequantize_whole_tiles_through_tma_stores(out_dtype, capacity
     ext().fp8_block_dequantize(gg.columnwise_data, gg.columnwise_scale_inv, True, True, False, 1, rows, k,
                                gg.padded_row_offsets, gg.num_tensors, out, max_row_tiles(gg))
     torch.cuda.synchronize()
-    assert _ran(before, _launches()) == _one(STAGED_TMA)
+    assert launches_since(before, _launches()) == only(STAGED_TMA, 4)
     n = sum(splits) * k
     ref = lpmoe.group_dequantize(gc, out_dtype).rowwise_data[:n]
-    assert _same(ref, out[:n])  # 0xA5A5 poison is a finite value: an unwritten element differs
+    assert same_bits(ref, out[:n])  # 0xA5A5 poison is a finite value: an unwritten element differs
     assert bool((out[n:].view(torch.uint8) == 0xA5).all())
 
 
@@ -163,8 +145,8 @@ def test_gpu_single_tensor_dequantize_columns_kernel_choice(shape, kernel, block
     got = lpmoe.dequantize(cols_gpu, torch.bfloat16)
     torch.cuda.synchronize()
     after = _launches()
-    assert _ran(before, after) == _one(kernel)
-    assert _same(lpmoe.dequantize(cols, torch.bfloat16), got)
+    assert launches_since(before, after) == only(kernel, 4)
+    assert same_bits(lpmoe.dequantize(cols, torch.bfloat16), got)
 
 
 @requires_cuda
@@ -176,7 +158,7 @@ def test_gpu_group_dequantize_rows_counted():
     before = _launches()
     lpmoe.group_dequantize(gg, torch.bfloat16)
     torch.cuda.synchronize()
-    assert _ran(before, _launches()) == _one(ROWS)
+    assert launches_since(before, _launches()) == only(ROWS, 4)
 
 
 @requires_cuda
@@ -200,7 +182,7 @@ def test_gpu_group_dequantize_columns_staged_graph_replay_new_splits_no_sync():
         before = _launches()
         graph, (_, y) = capture_graph(step)
         # the warm-up and the captured call, both the staged tile with TMA stores
-        assert _ran(before, _launches()) == (0, 0, 0, 2)
+        assert launches_since(before, _launches()) == (0, 0, 0, 2)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for splits in ([1, 127, 129, 1000], [0, 0, 0, 2000], [700, 700, 0, 1]):

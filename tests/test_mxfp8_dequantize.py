@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lpmoe
-from conftest import poison_, poison_allocator, requires_cuda
+from conftest import launches_since, only, poison_, poison_allocator, requires_cuda, same_bits
 from lpmoe import MXFP8Quantizer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -16,14 +16,6 @@ STORES, TMA = range(2)
 def _launches():
     from lpmoe._ext import ext
     return ext().mxfp8_dequantize_kernel_launches()  # (16-byte stores, TMA-store tiles)
-
-
-def _ran(before):
-    return tuple(a - b for a, b in zip(_launches(), before))
-
-
-def _one(kernel):
-    return tuple(int(i == kernel) for i in range(2))
 
 
 def _quantized_pair(x, q, **kw):
@@ -39,13 +31,6 @@ def _quantized_pair(x, q, **kw):
     getattr(ref, name).copy_(sc)
     getattr(got, name).copy_(sc.cuda())
     return ref, got
-
-
-def _same(a, b):
-    """Bitwise equal, NaN payloads aside (the reference's NaN bits may differ)."""
-    a, b = a.float().cpu(), b.float().cpu()
-    nan = torch.isnan(a)
-    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
 
 
 @requires_cuda
@@ -74,10 +59,10 @@ def test_gpu_whole_tiles_through_tma_stores(columnwise, fp8, out_dtype, capacity
     ext().mxfp8_dequantize(data, scale, columnwise, True, fp8 == E5M2, *mx_ops._members(got), rows, k, out,
                            mx_ops._num_tiles(got))
     torch.cuda.synchronize()
-    assert _ran(before) == _one(TMA)
+    assert launches_since(before, _launches()) == only(TMA, 2)
     n = sum(splits) * k
     want = lpmoe.group_dequantize(ref, out_dtype).rowwise_data[:n]
-    assert _same(want, out[:n])  # 0xA5A5 poison is a finite value: an unwritten element differs
+    assert same_bits(want, out[:n])  # 0xA5A5 poison is a finite value: an unwritten element differs
     assert bool((out[n:].view(torch.uint8) == 0xA5).all())
 
 
@@ -99,8 +84,8 @@ def test_gpu_kernel_choice(kind, out_dtype, kernel):
         before = _launches()
         y = lpmoe.dequantize(got, out_dtype)
         torch.cuda.synchronize()
-        assert _ran(before) == _one(kernel)
-        assert _same(lpmoe.dequantize(ref, out_dtype), y)
+        assert launches_since(before, _launches()) == only(kernel, 2)
+        assert same_bits(lpmoe.dequantize(ref, out_dtype), y)
         return
     kw = {"first": dict(num_tensors=3, first_dims=torch.tensor([128, 200, 56])),
           "both": dict(num_tensors=2, first_dims=torch.tensor([128, 256]), last_dims=torch.tensor([256, 128])),
@@ -111,6 +96,6 @@ def test_gpu_kernel_choice(kind, out_dtype, kernel):
     before = _launches()
     y = lpmoe.group_dequantize(got, out_dtype)
     torch.cuda.synchronize()
-    assert _ran(before) == _one(kernel)
+    assert launches_since(before, _launches()) == only(kernel, 2)
     for a, b in zip(lpmoe.group_dequantize(ref, out_dtype).split(), y.split()):
-        assert _same(a, b)
+        assert same_bits(a, b)

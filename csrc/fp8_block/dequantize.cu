@@ -7,10 +7,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "common/cuda_utils.h"
+#include "common/launch_counters.h"
 #include "common/dequant_vec.cuh"
 #include "common/numerics.cuh"
 #include "common/tensor_maps.h"
@@ -28,8 +28,8 @@ using dequant_detail::tile_scale_2d;
 
 constexpr int kThreads = 256;
 
-std::atomic<int64_t> g_launches[static_cast<int>(DequantizeKernel::kCount)];
-void count_launch(DequantizeKernel k) { g_launches[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
+LaunchCounters<DequantizeKernel> g_launches;
+void count_launch(DequantizeKernel k) { g_launches.count(k); }
 // Rowwise CTAs take a slice of a 128x128 tile: more, shorter CTAs kept
 // more loads in flight per SM (measured: 32-row slices 0.94-0.96 of copy,
 // 64 rows 0.93-0.95, whole tiles 0.90-0.93).
@@ -154,10 +154,7 @@ cudaError_t launch_fp8(const DequantizeArgs& a, int64_t tiles, cudaStream_t s) {
 
 }  // namespace
 
-int64_t dequantize_kernel_launches(DequantizeKernel kernel) {
-  const int k = static_cast<int>(kernel);
-  return k >= 0 && k < static_cast<int>(DequantizeKernel::kCount) ? g_launches[k].load(std::memory_order_relaxed) : 0;
-}
+int64_t dequantize_kernel_launches(DequantizeKernel kernel) { return g_launches.get(kernel); }
 
 cudaError_t launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   if (a.rows < 0 || a.cols < 0 || a.cols % 16 != 0 || (a.block_dim != 1 && a.block_dim != 2))

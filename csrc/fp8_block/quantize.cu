@@ -8,9 +8,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
-
 #include "common/cuda_utils.h"
+#include "common/launch_counters.h"
 #include "common/persistent_grid.h"
 #include "common/tile_stage.cuh"
 #include "fp8_block/tile_columns.cuh"
@@ -20,9 +19,8 @@ namespace lpmoe {
 namespace fp8_block {
 namespace {
 
-std::atomic<int64_t> g_launches[static_cast<int>(QuantizeKernel::kCount)];
-
-void count_launch(QuantizeKernel k) { g_launches[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
+LaunchCounters<QuantizeKernel> g_launches;
+void count_launch(QuantizeKernel k) { g_launches.count(k); }
 
 // Row of `input` that gathered row r reads (QuantizeArgs::row_source), -1
 // (a zero row) for an entry outside the token matrix.
@@ -283,10 +281,7 @@ cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   }
 }
 
-int64_t quantize_kernel_launches(QuantizeKernel kernel) {
-  const int k = static_cast<int>(kernel);
-  return k >= 0 && k < static_cast<int>(QuantizeKernel::kCount) ? g_launches[k].load(std::memory_order_relaxed) : 0;
-}
+int64_t quantize_kernel_launches(QuantizeKernel kernel) { return g_launches.get(kernel); }
 
 cudaError_t launch_dbias_reduce(const DbiasReduceArgs& a, cudaStream_t stream) {
   if (a.cols == 0 || a.group.num_tensors == 0) return cudaSuccess;

@@ -6,10 +6,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "common/cuda_utils.h"
+#include "common/launch_counters.h"
 #include "common/tensor_maps.h"
 #include "mxfp8/dequant_tile.cuh"
 #include "mxfp8/mxfp8.h"
@@ -19,8 +19,8 @@ namespace mxfp8 {
 namespace {
 using dequant_detail::kThreads;
 
-std::atomic<int64_t> g_launches[static_cast<int>(DequantizeKernel::kCount)];
-void count_launch(DequantizeKernel k) { g_launches[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
+LaunchCounters<DequantizeKernel> g_launches;
+void count_launch(DequantizeKernel k) { g_launches.count(k); }
 
 template <typename OType, bool kE5M2, bool kColumnwise>
 __global__ void __launch_bounds__(kThreads) dequantize_stores_kernel(const DequantizeArgs args) {
@@ -69,10 +69,7 @@ cudaError_t launch_typed(const DequantizeArgs& a, cudaStream_t s) {
 
 }  // namespace
 
-int64_t dequantize_kernel_launches(DequantizeKernel kernel) {
-  const int k = static_cast<int>(kernel);
-  return k >= 0 && k < static_cast<int>(DequantizeKernel::kCount) ? g_launches[k].load(std::memory_order_relaxed) : 0;
-}
+int64_t dequantize_kernel_launches(DequantizeKernel kernel) { return g_launches.get(kernel); }
 
 cudaError_t launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   if (a.num_tiles < 0 || a.num_tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
