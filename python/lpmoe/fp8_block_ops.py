@@ -11,7 +11,7 @@ import torch
 
 from lpmoe._ext import ext
 from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles, row_tiles_bound
-from lpmoe.grouped_layout import capacity_sizes, cdiv
+from lpmoe.grouped_layout import buffer_dtypes, capacity_sizes, cdiv
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.library.routing import OPS, tracing
 from lpmoe.quantizers import Float8BlockQuantizer
@@ -37,8 +37,7 @@ def check_output(output: GroupedTensor, q: Float8BlockQuantizer, g: GroupedTenso
         raise ValueError(f"output is on {output.device}, input on {g.device}")
     rows, k = g.logical_shape
     need = capacity_sizes(q, g.num_tensors, rows, k, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
-    want_dtype = {"rowwise_data": q.fp8_dtype, "columnwise_data": q.fp8_dtype, "scale_inv": torch.float32,
-                  "columnwise_scale_inv": torch.float32}
+    want_dtype = buffer_dtypes(q, g.dtype)
     for name in _BUFS:
         wanted = (q.rowwise if name in ("rowwise_data", "scale_inv") else q.columnwise) and need[name] > 0
         buf = getattr(output, name)
@@ -54,11 +53,11 @@ def _buffers(q: Float8BlockQuantizer, num_tensors: int, rows, k: int, uniform: b
     not write), sized from the layout (capacity_sizes) for any split of
     ``rows`` rows into the members (``uniform``: equal members, exact sizes)."""
     sizes = capacity_sizes(q, num_tensors, rows, k, uniform=uniform)
-    mk = lambda name, dt, wanted: torch.empty(sizes[name], dtype=dt, device=device) if wanted else None  # noqa: E731
-    return {"rowwise_data": mk("rowwise_data", q.fp8_dtype, q.rowwise),
-            "scale_inv": mk("scale_inv", torch.float32, q.rowwise),
-            "columnwise_data": mk("columnwise_data", q.fp8_dtype, q.columnwise),
-            "columnwise_scale_inv": mk("columnwise_scale_inv", torch.float32, q.columnwise)}
+    dtypes = buffer_dtypes(q, None)
+    mk = lambda name, wanted: torch.empty(sizes[name], dtype=dtypes[name], device=device) if wanted else None  # noqa: E731
+    return {"rowwise_data": mk("rowwise_data", q.rowwise), "scale_inv": mk("scale_inv", q.rowwise),
+            "columnwise_data": mk("columnwise_data", q.columnwise),
+            "columnwise_scale_inv": mk("columnwise_scale_inv", q.columnwise)}
 
 
 def _with_layout(q: Float8BlockQuantizer, g: GroupedTensor, bufs: dict) -> GroupedTensor:

@@ -9,7 +9,7 @@ import torch
 
 from lpmoe._ext import ext
 from lpmoe._op_utils import adopt_metadata, check_noop, max_row_tiles
-from lpmoe.grouped_layout import capacity_sizes, cdiv, output_buffer
+from lpmoe.grouped_layout import buffer_dtypes, capacity_sizes, cdiv, output_buffer
 from lpmoe.grouped_tensor import GroupedTensor, ShapeKind
 from lpmoe.library.routing import tracing
 from lpmoe.quantizers import MXFP8Quantizer, NVFP4Quantizer
@@ -61,14 +61,6 @@ def check_layout(q, g: GroupedTensor) -> None:
             raise ValueError(f"NVFP4 needs every first_dims entry to be a multiple of 16, got {d.tolist()}")
 
 
-def _dtypes(q) -> dict:
-    if isinstance(q, MXFP8Quantizer):
-        return {"rowwise_data": q.fp8_dtype, "columnwise_data": q.fp8_dtype, "scale_inv": torch.uint8,
-                "columnwise_scale_inv": torch.uint8}
-    return {"rowwise_data": torch.uint8, "columnwise_data": torch.uint8, "scale_inv": torch.float8_e4m3fn,
-            "columnwise_scale_inv": torch.float8_e4m3fn, "amax": torch.float32, "columnwise_amax": torch.float32}
-
-
 def _check_single_scale(scale, data_dtype, want_data, shape_fn, m, k, columnwise, swizzled, name):
     if scale is None:
         raise ValueError(f"{name}: missing scales")
@@ -90,7 +82,7 @@ def allocate(q, g: GroupedTensor) -> GroupedTensor:
                  "columnwise_scale_inv": numel // 32, "amax": 0, "columnwise_amax": 0}
     else:
         sizes = capacity_sizes(q, g.num_tensors, rows, cols, uniform=g.shape_kind is ShapeKind.SAME_SHAPE)
-    dt = _dtypes(q)
+    dt = buffer_dtypes(q, g.dtype)
     if isinstance(q, NVFP4Quantizer):
         sizes["amax"] = g.num_tensors  # kept even when only the columnwise copy is produced
         sizes["columnwise_amax"] = g.num_tensors if q.columnwise else 0
@@ -102,7 +94,7 @@ def allocate(q, g: GroupedTensor) -> GroupedTensor:
         elif name == "columnwise_amax":
             wanted = isinstance(q, NVFP4Quantizer) and q.columnwise
         # Empty members still get (empty) buffers: shapes stay well defined.
-        bufs[name] = output_buffer(size, dt.get(name, torch.float32), dev) if wanted else None
+        bufs[name] = output_buffer(size, dt[name], dev) if wanted else None
     return GroupedTensor(num_tensors=g.num_tensors, logical_shape=g.logical_shape, dtype=g.dtype, quantizer=q,
                          first_dims=g.first_dims, last_dims=g.last_dims, tensor_offsets=g.tensor_offsets,
                          padded_row_offsets=g.padded_row_offsets, _trusted_offsets=True,
@@ -117,10 +109,10 @@ def check_output(output: GroupedTensor, q, g: GroupedTensor) -> None:
     if output.device != g.device:
         raise ValueError(f"output is on {output.device}, input on {g.device}")
     ref = _sizes(q, g)
-    want = _dtypes(q)
+    want = buffer_dtypes(q, g.dtype)
     for name, size in ref.items():
         buf = getattr(output, name)
-        if buf is not None and name in want and buf.dtype != want[name]:
+        if buf is not None and buf.dtype != want[name]:
             raise TypeError(f"output.{name} has dtype {buf.dtype}, expected {want[name]}")
         if size and (buf is None or buf.numel() < size):
             raise ValueError(f"output.{name} holds {None if buf is None else buf.numel()} elements, "
