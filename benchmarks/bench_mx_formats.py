@@ -7,7 +7,7 @@ Kernels are timed as CUDA graphs of 10 calls (device time, as in
 bench_fp8_block.py), the copy eagerly; all cases are swept --rounds times,
 interleaved, and medians are reported with their spread.
 
-    PYTHONPATH=python:benchmarks python benchmarks/bench_mx_formats.py [--quick] [--rounds 3]
+    PYTHONPATH=python:benchmarks python benchmarks/bench_mx_formats.py [--quick] [--rounds 3] [--ops nvfp4]
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ def case_ops(tokens, k, n, skewed):
 def main():
     p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=3, help="sweeps over all cases, interleaved; medians reported")
+    p.add_argument("--ops", default="", help="time only the ops whose name contains this text (e.g. nvfp4)")
     args = p.parse_args()
     torch.manual_seed(0)
     cases = [(65536, 7168, 8, False), (65536, 7168, 64, False), (65536, 7168, 64, True),
@@ -62,6 +63,8 @@ def main():
         copies.append(copy_bw)
         for name, ops in built:
             for op, (fn, nbytes) in ops.items():
+                if args.ops not in op:
+                    continue
                 ms = graph_median_ms(fn)  # device time (see bench_fp8_block.py)
                 ratios.setdefault((name, op), []).append((nbytes / ms / 1e6 / copy_bw, ms))
     print(f"device copy bandwidth: {statistics.median(copies):.0f} GB/s (read+write), {args.rounds} interleaved "

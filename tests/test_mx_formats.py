@@ -41,6 +41,11 @@ def _make_input(kind, dtype, specials=True):
         flat = x.view(-1)
         flat[3] = float("inf")          # -> scale byte 254
         flat[40] = float("nan")         # ignored by amax
+        # A negative NaN with a payload, set by its bits (a cast from float
+        # makes it +NaN): NVFP4 gives it +6 like any NaN, MXFP8 the NaN byte.
+        bits_dtype, neg_nan = {torch.bfloat16: (torch.int16, -63), torch.float16: (torch.int16, -511),
+                               torch.float32: (torch.int32, -4194303)}[dtype]
+        flat.view(bits_dtype)[41] = neg_nan
         flat[1000:1100] = 0             # zero blocks -> scale byte 0
         flat[2000:2032] = 1e-30 if dtype != torch.float16 else 1e-7
     return x, kw

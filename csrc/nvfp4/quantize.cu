@@ -96,17 +96,33 @@ __device__ __forceinline__ TwoLevel global_scale(float amax) {
   return {__frcp_rn(s_enc), __fmul_rn(s_enc, __uint_as_float(0x3E2AAAABu))};
 }
 
-// Block part: stored E4M3 scale byte and the encode multiplier.
-__device__ __forceinline__ uint8_t block_scale(float bamax, const TwoLevel& s, float& enc) {
-  const uint8_t sf = float_to_e4m3_sat(fminf(__fmul_rn(bamax, s.mult), kFltMax));
-  const float sf_f = fp8_to_float<false>(sf);
+// Block part (formats.md §3.2).  The encode multiplier depends only on the
+// scale byte and the member's S_dec, so a CTA (one member's tile) computes it
+// once for each of the 127 bytes a block can get (<= 448: 0x00..0x7E) into
+// shared memory, and a block reads it back: one load instead of a correctly
+// rounded reciprocal per block, which issue-bound NVFP4 quantize would pay
+// 16 times per thread.
+constexpr int kScaleBytes = 127;
+
+__device__ __forceinline__ float encode_multiplier(uint8_t sf, const TwoLevel& s) {
   // __frcp_rn is the correctly rounded 1/x (same bits as IEEE 1.0f / x, cheaper).
-  enc = fminf(__frcp_rn(__fmul_rn(sf_f, s.s_dec)), kFltMax);  // sf == 0 -> 1/0 = inf -> FLT_MAX
-  return sf;
+  return fminf(__frcp_rn(__fmul_rn(fp8_to_float<false>(sf), s.s_dec)), kFltMax);  // sf == 0 -> inf -> FLT_MAX
 }
 
+// The stored E4M3 scale byte of a block.  min(., FLT_MAX) of the spec is
+// left to the saturating conversion: inf and FLT_MAX both give 448.
+__device__ __forceinline__ uint8_t block_scale_byte(float bamax, const TwoLevel& s) {
+  return float_to_e4m3_sat(__fmul_rn(bamax, s.mult));
+}
+
+// Three CTAs per SM (80 registers) for 16-bit inputs: the kernel is bound by
+// instruction issue and needs the warps.  fp32 inputs hold twice the raw
+// registers and would spill at 80.
 template <typename IType>
-__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArgs a) {
+constexpr int kQuantizeMinBlocks = sizeof(IType) == 4 ? 2 : 3;
+
+template <typename IType>
+__global__ void __launch_bounds__(kThreads, kQuantizeMinBlocks<IType>) quantize_kernel(const QuantizeArgs a) {
   if (a.noop != nullptr && *a.noop == 1.0f) return;
   const int bx = static_cast<int>(ceil_div<int64_t>(a.cols, kTile));
   TileInfo ti;
@@ -123,6 +139,9 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
   load_tile<IType>(a, ti, col0, cols_valid, raw);
   auto V = [&](int r, int e) { return elem<IType>(raw[r], e); };
   const TwoLevel s = global_scale(a.amax[ti.member]);
+  __shared__ float enc_of_scale[kScaleBytes];
+  if (threadIdx.x < kScaleBytes) enc_of_scale[threadIdx.x] = encode_multiplier(threadIdx.x, s);
+  __syncthreads();
 
   if (a.out_data != nullptr) {
     const int64_t sx = round_up<int64_t>(K / 16, 4);
@@ -136,17 +155,12 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
 #pragma unroll
     for (int r = 0; r < kRows; ++r, data_out += K / 2) {
       const int row = g * kRows + r;
-      float bamax = 0.0f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) bamax = amax_step(bamax, V(r, e));
+      float bamax = vec8_amax<IType>(raw[r]);
       bamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 1));
-      float enc;
-      const uint8_t sf = block_scale(bamax, s, enc);
+      const uint8_t sf = block_scale_byte(bamax, s);
+      const float enc = enc_of_scale[sf];
       if (col_ok && row < ti.rows_valid) {
-        uint32_t packed = 0;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) packed |= e2m1_encode(__fmul_rn(V(r, e), enc)) << (4 * e);
-        *reinterpret_cast<uint32_t*>(data_out) = packed;
+        *reinterpret_cast<uint32_t*>(data_out) = e2m1_pack8([&](int e) { return __fmul_rn(V(r, e), enc); });
       }
       if ((c & 1) == 0 && j < sx) scale_out[r * scale_step] = sf;
     }
@@ -169,13 +183,10 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeArg
     column_amax16<IType>(raw, bamax);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      float enc;
-      const uint8_t sf = block_scale(bamax[e], s, enc);
-      uint32_t packed = 0;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) packed |= e2m1_encode(__fmul_rn(V(r, e), enc)) << (4 * r);
+      const uint8_t sf = block_scale_byte(bamax[e], s);
+      const float enc = enc_of_scale[sf];
       const int kk = c * kVec + e;
-      tposed[kk * 16 + (g ^ (c & 15))] = packed;
+      tposed[kk * 16 + (g ^ (c & 15))] = e2m1_pack8([&](int r) { return __fmul_rn(V(r, e), enc); });
       if ((g & 1) == 0 && mb < sxc) scale_out[e * scale_step] = sf;
     }
     __syncthreads();
