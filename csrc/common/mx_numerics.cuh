@@ -72,11 +72,30 @@ __host__ __device__ __forceinline__ float f32_add_rn(float a, float b) {
 #endif
 }
 
+__host__ __device__ __forceinline__ float f32_sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// The _rn intrinsics on the device also keep the compiler from contracting
+// a product and a difference into one fma (Veltkamp's split below needs both
+// roundings).
+__host__ __device__ __forceinline__ float f32_mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // fp32 -> E2M1 code (0..15): round to nearest even, saturate to +-6, NaN -> +6
 // (code 7), sign kept for zero results (formats.md §0).
 //
 // NVFP4 quantize on Hopper is bound by instruction issue and runs this twice
-// per element, so it is bit arithmetic without branches, in two parts that
+// per element, so it is arithmetic without branches, in two parts that
 // e2m1_pack8 spreads over eight codes:
 //   c = y clamped to [-6, 6] (fminf returns the number when y is NaN: +6);
 //       its sign bit is the code's bit 3 (e2m1_pack8 gathers eight signs
@@ -87,10 +106,13 @@ __host__ __device__ __forceinline__ float f32_add_rn(float a, float b) {
 //   lo = bits(|c| + 2^22): the ulp of 2^22 is 0.5, so the sum rounds |c| to
 //        a multiple of 0.5, ties to even, and its low bits count the halves,
 //        the code wherever |c| < 2;
-//   hi = |c| rounded to one mantissa bit, ties to even (add 0x1FFFFF plus the
-//        kept bit; carries ripple into the exponent): 2 * exponent +
-//        mantissa = code + 252 wherever |c| >= 1.  Taken from max(|c|, 1),
-//        so below 1 it is code 2 (1.0), not less than lo;
+//   hi = b = max(|c|, 1) rounded to one mantissa bit, ties to even, by
+//        Veltkamp's split (k = b * (2^22 + 1), h = k - (k - b); exact on
+//        [1, 6], the host test checks every input); h's bits >> 22 are
+//        2 * exponent + mantissa = code + 252.  Below 1 it is code 2 (1.0),
+//        not less than lo.  Float multiplies and adds rather than integer
+//        shift-mask-add: the kernel was bound by the ALU pipe (logic, shifts,
+//        integer adds, min/max, at half the FMA pipe's rate), which these leave;
 //   code = min(lo, hi): equal on [1, 2); on [2, 6] round(2|c|) >= the code.
 constexpr uint32_t kE2m1Bias = 0x4A800000u;  // bits of 2^22
 
@@ -98,8 +120,10 @@ __host__ __device__ __forceinline__ float e2m1_clamp(float y) { return fmaxf(fmi
 
 __host__ __device__ __forceinline__ uint32_t e2m1_magnitude_biased(float a) {
   const uint32_t lo = f32_bits(f32_add_rn(a, 4194304.0f));
-  const uint32_t b = f32_bits(fmaxf(a, 1.0f));
-  const uint32_t hi = ((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) + (kE2m1Bias - 252u);
+  const float b = fmaxf(a, 1.0f);
+  const float k = f32_mul_rn(b, 4194305.0f);
+  const float h = f32_sub_rn(k, f32_sub_rn(k, b));
+  const uint32_t hi = (f32_bits(h) >> 22) + (kE2m1Bias - 252u);
   return lo < hi ? lo : hi;
 }
 
