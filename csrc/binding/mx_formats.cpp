@@ -152,9 +152,6 @@ void nvfp4_quantize(const at::Tensor& input, const c10::optional<at::Tensor>& pa
   a.col_amax = static_cast<float*>(opt_ptr(col_amax, input, "output.columnwise_amax"));
   a.noop = static_cast<const float*>(opt_ptr(noop, input, "noop_flag"));
   a.max_row_tiles = max_row_tiles;
-  // Per-call scratch, stream-ordered like every other allocation (graph-safe).
-  const at::Tensor arrivals = at::empty({std::max<int64_t>(num_tensors, 1)}, input.options().dtype(at::kInt));
-  a.amax_arrivals = reinterpret_cast<uint32_t*>(arrivals.data_ptr<int32_t>());
   LPMOE_CHECK_LAUNCH(nvfp4::launch_quantize(a, current_stream()), "nvfp4 quantize");
 }
 

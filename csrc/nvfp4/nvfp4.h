@@ -34,7 +34,6 @@ struct QuantizeArgs {
   uint8_t* out_col_scale = nullptr;
   float* amax = nullptr;         // (N,) computed here (device, no sync)
   float* col_amax = nullptr;     // (N,) copy for the columnwise copy, or null
-  uint32_t* amax_arrivals = nullptr;  // (N,) scratch: the amax pass's progress per member
   const float* noop = nullptr;
   int64_t max_row_tiles = 0;
 };

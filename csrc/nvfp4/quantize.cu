@@ -1,20 +1,19 @@
-// NVFP4 quantize.  Pass 1: per-member amax (NaN-ignoring max|x|,
-// member_amax.cuh), run as a persistent kernel that the quantize kernel
-// overlaps member by member.  Pass 2: the two-level scale of formats.md §3.2
-// and E2M1 codes, rowwise (1x16 blocks along K) and columnwise (16 tokens per
-// block, written transposed through a shared tile).  Thread (c, g) holds rows
-// 8g..8g+7 x columns 8c..8c+7 of a 128x128 tile: a rowwise block is lanes c,
-// c^1; a columnwise block is row groups g, g^1 = lanes l, l^16 of one warp.
+// NVFP4 quantize.  Pass 1: per-member amax (NaN-ignoring max|x|) with
+// atomicMax on the float bits (non-negative floats order like their bits;
+// max is order-independent, so the result is deterministic).  Pass 2: the
+// two-level scale of formats.md §3.2 and E2M1 codes, rowwise (1x16 blocks
+// along K) and columnwise (16 tokens per block, written transposed through a
+// shared tile).  Thread (c, g) holds rows 8g..8g+7 x columns 8c..8c+7 of a
+// 128x128 tile: a rowwise block is lanes c, c^1; a columnwise block is row
+// groups g, g^1 = lanes l, l^16 of one warp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>  // the templated cudaLaunchKernelEx
 
 #include "common/cuda_utils.h"
 #include "common/mx_numerics.cuh"
 #include "common/numerics.cuh"
 #include "common/vec_io.cuh"
 #include "grouped/row_tiles.cuh"
-#include "nvfp4/member_amax.cuh"
 #include "nvfp4/nvfp4.h"
 
 namespace lpmoe {
@@ -47,14 +46,40 @@ __device__ __forceinline__ void load_tile(const QuantizeArgs& a, const TileInfo&
   }
 }
 
-// Zeroes the amaxes and the amax pass's arrival counts before each call, so
-// graph replays start clean.
-__global__ void zero_amax_kernel(float* amax, float* col_amax, uint32_t* arrivals, int n, const float* noop) {
+__global__ void zero_amax_kernel(float* amax, float* col_amax, int n, const float* noop) {
   if (noop != nullptr && *noop == 1.0f) return;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     amax[i] = 0.0f;
-    arrivals[i] = 0;
     if (col_amax) col_amax[i] = 0.0f;
+  }
+}
+
+template <typename IType>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const QuantizeArgs a) {
+  if (a.noop != nullptr && *a.noop == 1.0f) return;
+  const int bx = static_cast<int>(ceil_div<int64_t>(a.cols, kTile));
+  TileInfo ti;
+  if (!locate_tile(a.group, a.rows, blockIdx.x / bx, ti) || ti.m % 16) return;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x % bx) * kTile;
+  const int cols_valid = static_cast<int>(a.cols - col0 < kTile ? a.cols - col0 : kTile);
+  RawVec8<IType> raw[kRows];
+  load_tile<IType>(a, ti, col0, cols_valid, raw);
+  float m = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) m = amax_step(m, elem<IType>(raw[r], e));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  __shared__ float warp_max[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+    if (m > 0.0f) {
+      atomicMax(reinterpret_cast<unsigned int*>(a.amax + ti.member), __float_as_uint(m));
+      if (a.col_amax) atomicMax(reinterpret_cast<unsigned int*>(a.col_amax + ti.member), __float_as_uint(m));
+    }
   }
 }
 
@@ -111,10 +136,9 @@ __global__ void __launch_bounds__(kThreads, kQuantizeMinBlocks<IType>) quantize_
   const bool col_ok = c * kVec < cols_valid;
   const int64_t member_row0 = ti.row0 - ti.local_tile * kTile;
   RawVec8<IType> raw[kRows];
-  load_tile<IType>(a, ti, col0, cols_valid, raw);  // in flight while the member's amax is waited for
+  load_tile<IType>(a, ti, col0, cols_valid, raw);
   auto V = [&](int r, int e) { return elem<IType>(raw[r], e); };
-  member_amax::wait_for_member(a, ti, bx);
-  const TwoLevel s = global_scale(__ldcg(a.amax + ti.member));  // from L2: written by the running amax kernel
+  const TwoLevel s = global_scale(a.amax[ti.member]);
   __shared__ float enc_of_scale[kScaleBytes];
   if (threadIdx.x < kScaleBytes) enc_of_scale[threadIdx.x] = encode_multiplier(threadIdx.x, s);
   __syncthreads();
@@ -184,35 +208,15 @@ __global__ void __launch_bounds__(kThreads, kQuantizeMinBlocks<IType>) quantize_
   }
 }
 
-// The amax kernel (persistent, one CTA per SM), then the quantize kernel as
-// its programmatic dependent, so the two run together (member_amax.cuh).
 template <typename IType>
 cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t s) {
-  const int64_t tiles = a.max_row_tiles * ceil_div<int64_t>(a.cols, kTile);
-  auto* amax = member_amax::amax_kernel<IType>;
-  constexpr int kAmaxSmem = member_amax::kSmemBytes<IType>;
-  LPMOE_RETURN_IF_ERROR(cudaFuncSetAttribute(amax, cudaFuncAttributeMaxDynamicSharedMemorySize, kAmaxSmem));
-  // All of the SM's unified memory as shared: the quantize CTAs that join an
-  // SM the amax CTA configured need room beside its stages.
-  LPMOE_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(amax, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  int device = 0, sms = 0;
-  LPMOE_RETURN_IF_ERROR(cudaGetDevice(&device));
-  LPMOE_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const unsigned amax_grid = static_cast<unsigned>(tiles < sms ? tiles : sms);
-  amax<<<amax_grid, member_amax::kThreads, kAmaxSmem, s>>>(a, tiles);
+  const int64_t bx = ceil_div<int64_t>(a.cols, kTile);
+  const dim3 grid(static_cast<unsigned>(a.max_row_tiles * bx));
+  amax_kernel<IType><<<grid, kThreads, 0, s>>>(a);
   LPMOE_RETURN_IF_ERROR(cudaGetLastError());
   if (a.out_data == nullptr && a.out_col_data == nullptr) return cudaSuccess;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(tiles));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, quantize_kernel<IType>, a);
+  quantize_kernel<IType><<<grid, kThreads, 0, s>>>(a);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -220,8 +224,8 @@ cudaError_t launch_typed(const QuantizeArgs& a, cudaStream_t s) {
 cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   if (a.cols % 16 != 0 || a.amax == nullptr) return cudaErrorInvalidValue;
   const int64_t bx = ceil_div<int64_t>(a.cols, kTile);
-  if (a.max_row_tiles * bx > 0x7fffffff || a.amax_arrivals == nullptr) return cudaErrorInvalidConfiguration;
-  zero_amax_kernel<<<1, 256, 0, stream>>>(a.amax, a.col_amax, a.amax_arrivals, a.group.num_tensors, a.noop);
+  if (a.max_row_tiles * bx > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  zero_amax_kernel<<<1, 256, 0, stream>>>(a.amax, a.col_amax, a.group.num_tensors, a.noop);
   LPMOE_RETURN_IF_ERROR(cudaGetLastError());
   if (a.rows == 0 || a.cols == 0 || a.max_row_tiles == 0) return cudaSuccess;
   switch (a.input_dtype) {
