@@ -49,7 +49,8 @@ def case_ops(tokens, k, n, skewed):
 def main():
     p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=3, help="sweeps over all cases, interleaved; medians reported")
-    p.add_argument("--ops", default="", help="time only the ops whose name contains this text (e.g. nvfp4)")
+    p.add_argument("--ops", default="", help="time only the ops whose name contains this text (e.g. nvfp4); "
+                   "every op's buffers are still made, and --summary lists only the timed ops")
     args = p.parse_args()
     torch.manual_seed(0)
     cases = [(65536, 7168, 8, False), (65536, 7168, 64, False), (65536, 7168, 64, True),

@@ -23,6 +23,9 @@ import pytest
 from _cuda_toolchain import CUTLASS, NVCC, ROOT
 
 FILES = ["fp8_block/dequantize.cu", "mxfp8/dequantize.cu", "nvfp4/dequantize.cu"]
+# Checked for spills only: NVFP4 quantize holds its 16-bit kernels to 80
+# registers (3 CTAs per SM), where a spill would cost quietly.
+SPILL_ONLY = ["nvfp4/quantize.cu"]
 ENTRY = re.compile(r"^(?:\.visible\s+)?\.entry\s+([^\s(]+)\(")
 GLOBAL_STORE = re.compile(r"\bst\.global(?:\.[a-z0-9]+)*")
 SIXTEEN_BYTES = re.compile(r"^st\.global(?:\.wb)?\.v4\.(?:u32|b32|f32)$")
@@ -66,7 +69,7 @@ def compiled(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("stores"))
     csrc = os.path.join(ROOT, "csrc")
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(3, os.cpu_count() or 1))) as pool:
-        futures = {rel: pool.submit(compile_file, rel, csrc, tmp) for rel in FILES}
+        futures = {rel: pool.submit(compile_file, rel, csrc, tmp) for rel in FILES + SPILL_ONLY}
         return {rel: f.result() for rel, f in futures.items()}
 
 
@@ -82,8 +85,8 @@ def test_dequantize_outputs_leave_as_16_byte_stores(compiled, rel):
                             "write through store16 (see this file's docstring)")
 
 
-@pytest.mark.parametrize("rel", FILES)
-def test_dequantize_kernels_do_not_spill(compiled, rel):
+@pytest.mark.parametrize("rel", FILES + SPILL_ONLY)
+def test_kernels_do_not_spill(compiled, rel):
     report = compiled[rel][1]
     assert report, f"{rel}: no kernel in ptxas's report"
     assert all(s == 0 and l == 0 for s, l in report), f"{rel}: ptxas spills {report}"

@@ -20,6 +20,14 @@ def _rand(n, dtype=torch.bfloat16, seed=None):
     return x.to(dtype)
 
 
+def _set_negative_nan(flat, i):
+    """A negative NaN with a payload at flat[i], set by its bits (a cast from
+    float makes it +NaN): MXFP8 writes the NaN byte, NVFP4 +6 like any NaN."""
+    bits_dtype, neg_nan = {torch.bfloat16: (torch.int16, -63), torch.float16: (torch.int16, -511),
+                           torch.float32: (torch.int32, -4194303)}[flat.dtype]
+    flat.view(bits_dtype)[i] = neg_nan
+
+
 def _make_input(kind, dtype, specials=True):
     """(x_cpu, kwargs) for group_quantize for one shape kind."""
     if kind == "same":
@@ -41,11 +49,7 @@ def _make_input(kind, dtype, specials=True):
         flat = x.view(-1)
         flat[3] = float("inf")          # -> scale byte 254
         flat[40] = float("nan")         # ignored by amax
-        # A negative NaN with a payload, set by its bits (a cast from float
-        # makes it +NaN): NVFP4 gives it +6 like any NaN, MXFP8 the NaN byte.
-        bits_dtype, neg_nan = {torch.bfloat16: (torch.int16, -63), torch.float16: (torch.int16, -511),
-                               torch.float32: (torch.int32, -4194303)}[dtype]
-        flat.view(bits_dtype)[41] = neg_nan
+        _set_negative_nan(flat, 41)
         flat[1000:1100] = 0             # zero blocks -> scale byte 0
         flat[2000:2032] = 1e-30 if dtype != torch.float16 else 1e-7
     return x, kw
@@ -153,7 +157,7 @@ def test_mxfp8_single_bitexact(shape, swizzled):
 @requires_cuda
 @pytest.mark.parametrize("kind", ["single", "same", "first"])
 @pytest.mark.parametrize("swizzled", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_nvfp4_quantize_bitexact(kind, swizzled, dtype):
     q = NVFP4Quantizer(swizzled_scales=swizzled)
     if kind == "single":
@@ -174,6 +178,7 @@ def test_nvfp4_quantize_bitexact(kind, swizzled, dtype):
         kw = dict(num_tensors=5, first_dims=torch.tensor(splits))
     x.view(-1)[10] = float("nan")
     x.view(-1)[11] = float("inf") if kind == "same" else 0.0
+    _set_negative_nan(x.view(-1), 12)  # the packed encode takes signs from the product (mx_numerics.cuh)
     ref, got = _quantize_both(x, kw, q)
     _compare_members(ref, got)
     yc, yg = lpmoe.group_dequantize(ref, torch.float32), lpmoe.group_dequantize(got, torch.float32)
@@ -201,6 +206,7 @@ def test_nvfp4_e2m1_rounding_ties_bitexact(dtype):
     for i in range(16):
         blocks[:, i, :, i] = 6.0
     x[0, 0] = 2688.0  # member amax: S_enc = 2688 / amax = 1
+    _set_negative_nan(x.view(-1), 1)  # `-probes` leaves bf16's NaN positive
     q = NVFP4Quantizer()
     ref, got = lpmoe.quantize(x, q), lpmoe.quantize(x.cuda(), q)
     assert float(ref.amax) == 2688.0

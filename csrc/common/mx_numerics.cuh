@@ -94,9 +94,11 @@ __host__ __device__ __forceinline__ float f32_mul_rn(float a, float b) {
 // fp32 -> E2M1 code (0..15): round to nearest even, saturate to +-6, NaN -> +6
 // (code 7), sign kept for zero results (formats.md §0).
 //
-// NVFP4 quantize on Hopper is bound by instruction issue and runs this twice
-// per element, so it is arithmetic without branches, in two parts that
-// e2m1_pack8 spreads over eight codes:
+// NVFP4 quantize on Hopper is bound by instruction issue and encodes every
+// element twice (both directions), so the encode is arithmetic without
+// branches, in two parts.  e2m1_encode puts them together for one value (the
+// form the host test checks for every fp32 input); the kernel runs
+// e2m1_pack8, which spreads them over eight codes:
 //   c = y clamped to [-6, 6] (fminf returns the number when y is NaN: +6);
 //       its sign bit is the code's bit 3 (e2m1_pack8 gathers eight signs
 //       with one funnel shift each);
@@ -118,6 +120,8 @@ constexpr uint32_t kE2m1Bias = 0x4A800000u;  // bits of 2^22
 
 __host__ __device__ __forceinline__ float e2m1_clamp(float y) { return fmaxf(fminf(y, 6.0f), -6.0f); }
 
+// The magnitude code plus kE2m1Bias of a in [0, 6] (callers clamp: above 6
+// the code would run past 7 into the sign bit).
 __host__ __device__ __forceinline__ uint32_t e2m1_magnitude_biased(float a) {
   const uint32_t lo = f32_bits(f32_add_rn(a, 4194304.0f));
   const float b = fmaxf(a, 1.0f);
@@ -132,13 +136,17 @@ __host__ __device__ __forceinline__ uint32_t e2m1_encode(float y) {
   return ((f32_bits(c) >> 28) & 8u) | (e2m1_magnitude_biased(fabsf(c)) - kE2m1Bias);
 }
 
-// Eight biased magnitudes added in at bits 4e carry eight biases shifted by
-// 4e (mod 2^32); they do not touch the nibbles, so one subtraction removes them.
-__host__ __device__ constexpr uint32_t e2m1_bias8() {
+// Eight biased magnitudes added in at bits 4e sum to the eight codes at
+// their nibbles plus the eight biases shifted by 4e, mod 2^32 (the shifted
+// biases do overlap the nibbles, but addition wraps: the sum of the codes is
+// below 2^32 and the biases' sum is a constant), so subtracting that
+// constant leaves exactly the codes.
+constexpr uint32_t e2m1_bias8() {
   uint32_t s = 0;
   for (int e = 0; e < 8; ++e) s += kE2m1Bias << (4 * e);
   return s;
 }
+constexpr uint32_t kE2m1Bias8 = e2m1_bias8();
 
 // Eight E2M1 codes in one word, code e in bits 4e..4e+3, of products y(e)
 // (x * the block's encode multiplier).  A product is never a negative NaN:
@@ -157,7 +165,7 @@ __host__ __device__ __forceinline__ uint32_t e2m1_pack8(Product&& y) {
     magnitudes += e2m1_magnitude_biased(fminf(fabsf(v), 6.0f)) << (4 * e);
     signs = funnel_shift_left(f32_bits(v), signs, 4);
   }
-  return (signs & 0x88888888u) | (magnitudes - e2m1_bias8());
+  return (signs & 0x88888888u) | (magnitudes - kE2m1Bias8);
 }
 
 __device__ __forceinline__ float e2m1_decode(uint32_t code) {

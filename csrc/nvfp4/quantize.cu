@@ -98,7 +98,8 @@ __device__ __forceinline__ TwoLevel global_scale(float amax) {
 
 // Block part (formats.md §3.2).  The encode multiplier depends only on the
 // scale byte and the member's S_dec, so a CTA (one member's tile) computes it
-// once for each of the 127 bytes a block can get (<= 448: 0x00..0x7E) into
+// once for each of the 127 bytes a block can get (<= 448: 0x00..0x7E; the
+// block amax is never NaN, and the saturating conversion maps inf to 0x7E) into
 // shared memory, and a block reads it back: one load instead of a correctly
 // rounded reciprocal per block, which issue-bound NVFP4 quantize would pay
 // 16 times per thread.
