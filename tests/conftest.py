@@ -116,6 +116,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a[~nan].view(bits), b[~nan].view(bits))
 
 
+def assert_written_then_poisoned(want: torch.Tensor, out: torch.Tensor, n: int) -> None:
+    """out[:n] holds want's bits (same_bits; 0xA5A5 poison is a finite value,
+    so an unwritten element differs) and out[n:], the capacity tail, still
+    holds poison_'s 0xA5 bytes."""
+    assert same_bits(want, out[:n])
+    assert bool((out[n:].view(torch.uint8) == 0xA5).all())
+
+
 def launches_since(before, after) -> tuple:
     """Per-kernel launch counts between two readings of a counter tuple."""
     return tuple(a - b for a, b in zip(after, before))
