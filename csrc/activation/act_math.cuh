@@ -34,44 +34,48 @@ __device__ __forceinline__ float clamp_nan(float x, float lo, float hi) {
 }
 
 // e^x as the sigmoid below needs it, branch- and select-free: x clamped to
-// [-86, 87.5] (NaN kept); n = rint(x log2 e) (adding 1.5 * 2^23), r =
-// fma(-n, LN2_LO, fma(-n, LN2_HI, x)), p the degree-7 Taylor polynomial by
-// Horner's rule in fused multiply-adds, times 2^n.  Inside the clamp this is
-// the spec's exp bit for bit (docs/activation-notes.md; p * 2^n is normal
-// there, so one exact multiply by 2^n equals the spec's two half-steps).
-// Outside it the spec's exp would go on towards 0 or +inf, and the sigmoid
-// cannot tell the difference: e^-86 < 2^-24, so 1 + e rounds to 1 either
-// way, and e^87.5 > 2^125, where rcp_lp gives 0 either way.  That saves the
-// two-step scaling (6-7 instructions per element) of an issue-heavy kernel.
+// [-86, 87.5] (NaN kept); n = rint(x log2 e), from one fused multiply-add
+// of 1.5 * 2^23 (the exact product rounded once); r = fma(-n, LN2_LO,
+// fma(-n, LN2_HI, x)); p(r) a degree-6 polynomial by Horner's rule in fused
+// multiply-adds (minimax for relative error on |r| <= ln2 / 2 with 1 and 1
+// as its two lowest coefficients: 3e-9 relative, below 0.05 ulp), times 2^n.
+// Inside the clamp this is the spec's exp bit for bit (docs/activation-notes.md;
+// p * 2^n is normal there, so one exact multiply by 2^n equals the spec's
+// two half-steps).  Outside it the spec's exp would go on towards 0 or +inf,
+// and the sigmoid cannot tell the difference: e^-86 < 2^-24, so 1 + e rounds
+// to 1 either way, and e^87.5 > 2^126, where rcp_lp gives 0 either way.
+// That saves the two-step scaling (6-7 instructions per element) of an
+// issue-heavy kernel; the fused j and the degree-6 polynomial save two more
+// (the spec before stop 60 had a separate multiply and add for j and the
+// degree-7 Taylor polynomial: same accuracy, 0.9 ulp at most either way).
 // 2^n comes from j's bits: j = 1.5 * 2^23 + n, and (j << 23) keeps n << 23
 // (the constant's low 9 bits are 0); a NaN j gives the finite 0.5, so a NaN
 // p stays NaN.
 __device__ __forceinline__ float exp_for_sigmoid(float x) {
   const float xc = clamp_nan(x, -86.0f, 87.5f);
-  const float j = add(mul(xc, f32(0x3FB8AA3Bu)), 12582912.0f);  // + 1.5 * 2^23: rint in the low bits
+  const float j = fma(xc, f32(0x3FB8AA3Bu), 12582912.0f);  // + 1.5 * 2^23: rint in the low bits
   const float n = sub(j, 12582912.0f);
   const float r = fma(-n, f32(0x35BFBE8Eu), fma(-n, f32(0x3F317200u), xc));
-  float p = f32(0x39500D01u);                 // 1/7!
-  p = fma(p, r, f32(0x3AB60B61u));            // 1/6!
-  p = fma(p, r, f32(0x3C088889u));            // 1/5!
-  p = fma(p, r, f32(0x3D2AAAABu));            // 1/4!
-  p = fma(p, r, f32(0x3E2AAAABu));            // 1/3!
-  p = fma(p, r, 0.5f);
+  float p = f32(0x3AB51226u);                 // c6
+  p = fma(p, r, f32(0x3C091CEAu));            // c5
+  p = fma(p, r, f32(0x3D2AAC79u));            // c4
+  p = fma(p, r, f32(0x3E2AAA49u));            // c3
+  p = fma(p, r, f32(0x3EFFFFFEu));            // c2
   p = fma(p, r, 1.0f);
   p = fma(p, r, 1.0f);
   const uint32_t pow2n = (__float_as_uint(j) << 23) + 0x3F800000u;  // n in [-124, 126]: normal
   return mul(p, __uint_as_float(pow2n));
 }
 
-// 1 / y for y >= 1, correctly rounded, branch-free: the reciprocal
-// approximation refined by one FMA Newton step (the sequence CUDA's own
-// IEEE reciprocal uses for operands of these exponents); y >= 2^125 (where
-// 1/y would leave the normal range) gives 0.
+// 1 / y for y >= 1, correctly rounded, flushed to 0 where it is subnormal
+// (y > 2^126), branch- and select-free: the reciprocal approximation (which
+// flushes such results to 0) refined by one FMA Newton step, the sequence
+// CUDA's own IEEE reciprocal uses for operands below 2^127 whose result is
+// normal.  (Before stop 60 a compare and select gave 0 from 2^125 on.)
 __device__ __forceinline__ float rcp_lp(float y) {
   float r0;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(y));
-  const float r = fma(r0, -fma(y, r0, -1.0f), r0);
-  return y >= 4.2535295865117308e37f ? 0.0f : r;  // 2^125
+  return fma(r0, -fma(y, r0, -1.0f), r0);
 }
 
 // 1 / (1 + e^-x), branch-free (0 for x below about -86.6).
@@ -85,10 +89,11 @@ __device__ __forceinline__ float gelu_value(float x, float& s) {
   return mul(x, s);
 }
 
-// d gelu / dx = s + (x (s (1 - s))) dy/dx,  dy/dx = GELU_C (1 + GELU_3A x^2).
+// d gelu / dx = s + (x (s (1 - s))) dy/dx,  dy/dx = GELU_C (1 + GELU_3A x^2),
+// the last product and sum as one fused multiply-add.
 __device__ __forceinline__ float gelu_grad(float x, float s) {
   const float dy = mul(f32(0x3FCC422Au), add(1.0f, mul(f32(0x3E095D4Fu), mul(x, x))));
-  return add(s, mul(mul(x, mul(s, sub(1.0f, s))), dy));
+  return fma(mul(x, mul(s, sub(1.0f, s))), dy, s);
 }
 
 __device__ __forceinline__ float clamp_gate(float g, float limit) { return g > limit ? limit : g; }
@@ -98,12 +103,14 @@ __device__ __forceinline__ float clamp_value(float v, float limit) {
 
 // SwiGLU from its gate's sigmoid s (computed here, or looked up:
 // sigmoid_table.cuh): u = (g s) v and the gradients for q = dL/du.
+// d(g s)/dg = s (1 + g (1 - s)) is taken as fma(g s, 1 - s, s) (one
+// rounding fewer): g s is already there, so two instructions instead of four.
 __device__ __forceinline__ float swiglu_forward(float g, float v, float s) { return mul(mul(g, s), v); }
 __device__ __forceinline__ void swiglu_backward(float g, float v, float q, float s, float& dg, float& dv, float& u) {
   const float si = mul(g, s);
   u = mul(si, v);
   dv = mul(q, si);
-  dg = mul(mul(q, v), mul(s, add(1.0f, mul(g, sub(1.0f, s)))));
+  dg = mul(mul(q, v), fma(si, sub(1.0f, s), s));
 }
 
 // Forward: u = act(g) [* v for GLU kinds]; `v` unused otherwise.
@@ -156,7 +163,7 @@ __device__ __forceinline__ void backward(float g, float v, float q, const Params
     const float glu = mul(gc, s);
     u = mul(glu, add(vc, 1.0f));
     dv = (v >= -p.limit && v <= p.limit) ? mul(q, glu) : 0.0f;
-    dg = g <= p.limit ? mul(mul(q, add(vc, 1.0f)), mul(s, add(1.0f, mul(y, sub(1.0f, s))))) : 0.0f;
+    dg = g <= p.limit ? mul(mul(q, add(vc, 1.0f)), fma(mul(y, s), sub(1.0f, s), s)) : 0.0f;
   }
 }
 

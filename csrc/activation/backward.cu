@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArg
         }
         set_elem<IType>(dg[r], e, gd);
         if constexpr (kGlu) set_elem<IType>(dvr, e, vd);
-        psum = math::add(psum, math::mul(dA, u));
+        psum = math::fma(dA, u, psum);  // one rounding per column (docs/activation-notes.md)
       }
       if constexpr (kGlu) write_stage_row<IType>(buf + kValue, r, dvr);
       if (args.probs_partials != nullptr) {  // uniform: every lane shuffles

@@ -1,8 +1,8 @@
 // The sigmoid of a bf16 gate from a shared-memory table.
 //
 // The fused activation kernels are issue-bound (docs/activation-notes.md):
-// lpmoe's exact sigmoid (exp as a degree-7 polynomial, a correctly rounded
-// reciprocal) is ~23 instructions of a SwiGLU forward's ~48 per element.  A
+// lpmoe's exact sigmoid (exp as a degree-6 polynomial, a correctly rounded
+// reciprocal) is ~19 instructions per element of a SwiGLU forward.  A
 // bf16 gate has only 2^16 values, and the sigmoid is constant outside a
 // narrow band of them, so a table of the band answers every gate with one
 // shared-memory load and a few integer operations, bit for bit.
@@ -19,7 +19,7 @@
 // s (1 + g (1 - s))), so each is NaN either way, with the same bits (the
 // GPU's arithmetic returns one canonical NaN).
 //
-// 2 x 3823 fp32 entries (31.7 KB with the gap between the signs).  Each CTA fills its own copy with
+// 2 x 3824 fp32 entries (31.7 KB with the gap between the signs).  Each CTA fills its own copy with
 // math::sigmoid_lp at start (31 sigmoids per thread of 256), so the table is
 // the kernel's own function by construction, with no host state.
 #pragma once
@@ -42,10 +42,10 @@ template <typename IType, Kind K>
 constexpr bool used_by() { return std::is_same_v<IType, __nv_bfloat16> && K == Kind::kSwiGLU; }
 
 constexpr uint32_t kLo = 0x33C0;  // |g| = 2^-24 * 1.5: last magnitude where every sign gives 0.5
-constexpr uint32_t kHi = 0x42AE;  // |g| = 87: first magnitude from which g > 0 gives 1 and g < 0 gives 0
-constexpr int kPerSign = static_cast<int>(kHi - kLo) + 1;  // 3823
+constexpr uint32_t kHi = 0x42AF;  // |g| = 87.5: first magnitude from which g > 0 gives 1 and g < 0 gives 0
+constexpr int kPerSign = static_cast<int>(kHi - kLo) + 1;  // 3824
 // Negative gates start at entry 0x1000, so the sign bit becomes part of the
-// index with one shift and mask (the 273 entries in between are unused).
+// index with one shift and mask (the 272 entries in between are unused).
 constexpr int kNegative = 0x1000;
 constexpr int kEntries = kNegative + kPerSign;
 constexpr int kBytes = kEntries * static_cast<int>(sizeof(float));  // 31.7 KB

@@ -36,14 +36,15 @@ def _f32(bits: int) -> torch.Tensor:
 LOG2E = _f32(0x3FB8AA3B)      # 1/ln 2
 LN2_HI = _f32(0x3F317200)     # ln 2, upper 15 bits: n * LN2_HI is exact for |n| < 512
 LN2_LO = _f32(0x35BFBE8E)     # ln 2 - LN2_HI
-EXP_TAYLOR = [_f32(b) for b in (0x39500D01, 0x3AB60B61, 0x3C088889, 0x3D2AAAAB, 0x3E2AAAAB)]  # 1/7! .. 1/3!
+# exp's polynomial on |r| <= ln2 / 2: 1 + r + c2 r^2 + ... + c6 r^6, minimax for
+# relative error (3e-9) with the two lowest coefficients fixed at 1; c6 .. c2
+EXP_POLY = [_f32(b) for b in (0x3AB51226, 0x3C091CEA, 0x3D2AAC79, 0x3E2AAA49, 0x3EFFFFFE)]
 GELU_C = _f32(0x3FCC422A)     # 2 * sqrt(2 / pi)
 GELU_A = _f32(0x3D372713)     # 0.044715
 GELU_3A = _f32(0x3E095D4F)    # 3 * 0.044715
 ONE = torch.tensor(1.0)
-HALF = torch.tensor(0.5)
 MAGIC = torch.tensor(12582912.0)          # 1.5 * 2^23: x + MAGIC - MAGIC = rint(x) for |x| < 2^22
-TWO_125 = torch.tensor(2.0 ** 125)
+TWO_126 = torch.tensor(2.0 ** 126)
 
 
 def fma32(a, b, c) -> torch.Tensor:
@@ -67,28 +68,29 @@ def fma32(a, b, c) -> torch.Tensor:
 
 def exp_lp(x: torch.Tensor) -> torch.Tensor:
     """lpmoe's fp32 exp: x clamped to [-104, 88.75] (NaN kept); e^x =
-    2^n * p(r) with n = rint(x / ln 2), r = fma(-n, LN2_LO, fma(-n, LN2_HI,
-    x)), p the degree-7 Taylor polynomial by Horner's rule in fused
-    multiply-adds, and 2^n applied as two exact power-of-two factors
-    2^floor(n/2) * 2^(n - floor(n/2)) so that only the last multiply rounds.
-    Within ~2 ulp of e^x; overflows to +inf above 88.72 and rounds to 0
-    below -103.97 through the clamp bounds alone."""
+    2^n * p(r) with n = rint(x / ln 2) (x * LOG2E + 1.5 * 2^23 as one fused
+    multiply-add), r = fma(-n, LN2_LO, fma(-n, LN2_HI, x)), p the degree-6
+    polynomial EXP_POLY by Horner's rule in fused multiply-adds, and 2^n
+    applied as two exact power-of-two factors 2^floor(n/2) * 2^(n -
+    floor(n/2)) so that only the last multiply rounds.  Within 0.9 ulp of
+    e^x; overflows to +inf above 88.72 and rounds to 0 below -103.97
+    through the clamp bounds alone."""
     xc = x.float().clamp(-104.0, 88.75)
-    j = xc * LOG2E + MAGIC                           # rint (half to even) in the low mantissa bits
+    j = fma32(xc, LOG2E, MAGIC)                      # rint (half to even) in the low mantissa bits
     ni = j.view(torch.int32) - 0x4B400000
     n = j - MAGIC
     r = fma32(-n, LN2_LO, fma32(-n, LN2_HI, xc))
-    p = EXP_TAYLOR[0]
-    for c in EXP_TAYLOR[1:] + [HALF, ONE, ONE]:
+    p = EXP_POLY[0]
+    for c in EXP_POLY[1:] + [ONE, ONE]:
         p = fma32(p, r, c)
     n1 = torch.div(ni, 2, rounding_mode="floor")
     return (p * ((n1 + 127) << 23).view(torch.float32)) * ((ni - n1 + 127) << 23).view(torch.float32)
 
 
 def rcp_lp(y: torch.Tensor) -> torch.Tensor:
-    """1 / y for y >= 1, correctly rounded; 0 for y >= 2^125 (where 1/y
-    would leave the normal range)."""
-    return torch.where(y >= TWO_125, torch.tensor(0.0), ONE / y)
+    """1 / y for y >= 1, correctly rounded, and 0 where that is subnormal
+    (y > 2^126: the kernels' reciprocal approximation flushes it)."""
+    return torch.where(y > TWO_126, torch.tensor(0.0), ONE / y)
 
 
 def sigmoid_lp(x: torch.Tensor) -> torch.Tensor:
@@ -105,9 +107,10 @@ def _gelu_parts(x):
 
 
 def _gelu_grad(x, s):
-    """d gelu / dx = s + x * s (1 - s) * dy/dx, dy/dx = GELU_C (1 + GELU_3A x^2)."""
+    """d gelu / dx = s + x * s (1 - s) * dy/dx, dy/dx = GELU_C (1 + GELU_3A x^2),
+    the last product and sum as one fused multiply-add."""
     dy = GELU_C * (ONE + GELU_3A * (x * x))
-    return s + ((x * (s * (ONE - s))) * dy)
+    return fma32(x * (s * (ONE - s)), dy, s)
 
 
 def _split(h: torch.Tensor, kind: str):
@@ -155,19 +158,23 @@ def activation_forward(h: torch.Tensor, kind: str, probs: Optional[torch.Tensor]
     return u.to(out_dtype or h.dtype)
 
 
-def probs_grad_order_sum(prod: torch.Tensor) -> torch.Tensor:
-    """Row sums of (rows, F) fp32 in the kernels' fixed order: per 128-column
-    block, each group of 8 columns summed left to right from 0, the 16 group
-    sums by a halving tree (i + 8, then i + 4, i + 2, i + 1), then the block
-    sums left to right from 0.  Columns past F count as 0."""
-    rows, f = prod.shape
+def probs_grad_order_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row sums of a * b, both (rows, F) fp32, in the kernels' fixed order:
+    per 128-column block, each group of 8 columns accumulated left to right
+    from 0 by fused multiply-adds (acc = fma(a, b, acc)), the 16 group sums
+    by a halving tree (i + 8, then i + 4, i + 2, i + 1), then the block sums
+    left to right from 0.  Columns past F count as 0."""
+    rows, f = a.shape
     nb = -(-f // 128)
-    padded = torch.zeros(rows, nb * 128, dtype=torch.float32)
-    padded[:, :f] = prod
-    v = padded.view(rows, nb, 16, 8)
+
+    def grouped(t):
+        padded = torch.zeros(rows, nb * 128, dtype=torch.float32)
+        padded[:, :f] = t
+        return padded.view(rows, nb, 16, 8)
+    va, vb = grouped(a), grouped(b)
     acc = torch.zeros(rows, nb, 16)
     for e in range(8):
-        acc = acc + v[..., e]
+        acc = fma32(va[..., e], vb[..., e], acc)
     width = 16
     while width > 1:
         width //= 2
@@ -185,14 +192,14 @@ def activation_backward(da: torch.Tensor, h: torch.Tensor, kind: str, probs: Opt
     """(dh, a, dprobs): dh (rows, W) and the recomputed forward output a
     (rows, F), both in h's dtype; dprobs (rows,) fp32 (None without probs).
 
-    With q = da * probs (or da), per element:
-      swiglu          s = sig(g); dv = q * (g s); dg = (q v) * (s (1 + g (1 - s)))
+    With q = da * probs (or da), per element (fma: one rounding):
+      swiglu          s = sig(g); dv = q * (g s); dg = (q v) * fma(g s, 1 - s, s)
       geglu           dv = q * gelu(g); dg = (q v) * gelu'(g)
       gelu            dh = q * gelu'(h)
       relu            dh = h > 0 ? q : 0
       clamped_swiglu  gc = min(g, L), vc = clamp(v, -L, L), y = alpha gc, s = sig(y);
                       dv = (-L <= v <= L) ? q * (gc s) : 0
-                      dg = (g <= L) ? (q (vc + 1)) * (s (1 + y (1 - s))) : 0
+                      dg = (g <= L) ? (q (vc + 1)) * fma(y s, 1 - s, s) : 0
       dprobs[t] = sum_j da[t, j] * u[t, j]   (order: probs_grad_order_sum)
     """
     al, li = _params(alpha, limit)
@@ -205,7 +212,7 @@ def activation_backward(da: torch.Tensor, h: torch.Tensor, kind: str, probs: Opt
         si = g * s
         u = si * v
         dv = q * si
-        dg = (q * v) * (s * (ONE + g * (ONE - s)))
+        dg = (q * v) * fma32(si, ONE - s, s)
     elif kind in ("geglu", "gelu"):
         ge, s = _gelu_parts(g)
         dge = _gelu_grad(g, s)
@@ -226,8 +233,8 @@ def activation_backward(da: torch.Tensor, h: torch.Tensor, kind: str, probs: Opt
         glu = gc * s
         u = glu * (vc + ONE)
         dv = torch.where((v >= -li) & (v <= li), q * glu, zero)
-        dg = torch.where(g <= li, (q * (vc + ONE)) * (s * (ONE + y * (ONE - s))), zero)
+        dg = torch.where(g <= li, (q * (vc + ONE)) * fma32(y * s, ONE - s, s), zero)
     dh = torch.cat([dg, dv], dim=-1) if dv is not None else dg
     a = u * probs.float().reshape(-1, 1) if probs is not None else u
-    dprobs = probs_grad_order_sum(dA * u) if probs is not None else None
+    dprobs = probs_grad_order_sum(dA, u) if probs is not None else None
     return dh.to(h.dtype), a.to(h.dtype), dprobs
