@@ -7,9 +7,11 @@ four 4-byte `st.global.u32` (and NVFP4's 16-bit outputs into 4-byte
 `st.global.v2.u16`) where the index arithmetic hid the alignment; the
 kernels ran at 0.88-0.93 of copy instead of 0.92-0.97 and every bit-exact
 test still passed (docs/perf-notes.md, issue 13 stop 58).  They now write
-through `store16` (common/dequant_vec.cuh); this test keeps it that way, and
+through `store16` (common/vec_io.cuh); this test keeps it that way, and
 keeps ptxas from spilling in them (the MXFP8 kernels spilled while a 64-bit
-division subroutine was called in their tile lookup).
+division subroutine was called in their tile lookup).  The activation
+backward's high-precision dh goes through `store16` too (stop 60: 4 % off
+that kernel), and is checked the same way.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ FILES = ["fp8_block/dequantize.cu", "mxfp8/dequantize.cu", "nvfp4/dequantize.cu"
 # Checked for spills only: NVFP4 quantize holds its 16-bit kernels to 80
 # registers (3 CTAs per SM), where a spill would cost quietly.
 SPILL_ONLY = ["nvfp4/quantize.cu"]
+# Checked for whole 16-byte stores of the high-precision dh only.
+ACTIVATION_BACKWARD = "activation/backward.cu"
 ENTRY = re.compile(r"^(?:\.visible\s+)?\.entry\s+([^\s(]+)\(")
 GLOBAL_STORE = re.compile(r"\bst\.global(?:\.[a-z0-9]+)*")
 SIXTEEN_BYTES = re.compile(r"^st\.global(?:\.wb)?\.v4\.(?:u32|b32|f32)$")
@@ -69,7 +73,7 @@ def compiled(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("stores"))
     csrc = os.path.join(ROOT, "csrc")
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(3, os.cpu_count() or 1))) as pool:
-        futures = {rel: pool.submit(compile_file, rel, csrc, tmp) for rel in FILES + SPILL_ONLY}
+        futures = {rel: pool.submit(compile_file, rel, csrc, tmp) for rel in FILES + SPILL_ONLY + [ACTIVATION_BACKWARD]}
         return {rel: f.result() for rel, f in futures.items()}
 
 
@@ -90,3 +94,16 @@ def test_kernels_do_not_spill(compiled, rel):
     report = compiled[rel][1]
     assert report, f"{rel}: no kernel in ptxas's report"
     assert all(s == 0 and l == 0 for s, l in report), f"{rel}: ptxas spills {report}"
+
+
+def test_activation_backward_writes_dh_as_16_byte_stores(compiled):
+    """The high-precision backward kernels (no FP8 outputs, no sigmoid table:
+    ``...ELb0ELb0EE`` in the mangled name) store dh and the d probs partials
+    only: dh as whole 16-byte vectors, the partials as fp32 scalars."""
+    kernels = global_stores_by_kernel(compiled[ACTIVATION_BACKWARD][0])
+    hp = {k: v for k, v in kernels.items() if "backward_kernel" in k and "ELb0ELb0EE" in k}
+    assert len(hp) == 10, sorted(hp)  # five kinds x bf16 / fp16
+    for kernel, stores in hp.items():
+        assert any(SIXTEEN_BYTES.match(s) for s in stores), f"{kernel}: no 16-byte store"
+        narrow = sorted({s for s in stores if not SIXTEEN_BYTES.match(s) and s != "st.global.f32"})
+        assert not narrow, f"{kernel} writes dh with {narrow}: store_tile<IType, true> (act_tiles.cuh)"

@@ -126,8 +126,13 @@ __device__ __forceinline__ void set_elem(RawVec8<IType>& v, int e, float x) {
 }
 
 // Store this thread's 8 rows x 8 columns at column `col0` of a (rows, ld)
-// high-precision matrix (valid rows and columns only).
-template <typename IType>
+// high-precision matrix (valid rows and columns only).  kWhole16: each
+// 16-byte vector as one explicit 16-byte store; otherwise NVVM splits it
+// into four 4-byte stores (it cannot prove the alignment).  The backward
+// takes kWhole16 (8 x 64k tokens, F 2048, H100: 529 -> 507 us), the forward
+// does not: there the whole stores cost registers (ReLU drops to 2 CTAs per
+// SM) and time (292 -> 304 us); docs/activation-notes.md, stops 58 and 60.
+template <typename IType, bool kWhole16 = false>
 __device__ __forceinline__ void store_tile(IType* out, int64_t ld, int64_t col0, const TileRef& t,
                                            const RawVec8<IType> (&v)[kStageRowsPerThread]) {
   const int c = threadIdx.x & 15;
@@ -139,7 +144,10 @@ __device__ __forceinline__ void store_tile(IType* out, int64_t ld, int64_t col0,
     if (row < t.ti.rows_valid) {
       IType* p = out + (t.ti.row0 + row) * ld + col0 + c * 8;
 #pragma unroll
-      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) reinterpret_cast<uint4*>(p)[i] = v[r].w[i];
+      for (int i = 0; i < static_cast<int>(sizeof(IType)) / 2; ++i) {
+        if constexpr (kWhole16) store16<Space::kGlobal>(reinterpret_cast<uint4*>(p) + i, v[r].w[i]);
+        else reinterpret_cast<uint4*>(p)[i] = v[r].w[i];
+      }
     }
   }
 }

@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArg
   };
   auto finish = [&](const uint8_t* buf, const TileRef& t, auto&& late) {
     const int64_t col0 = static_cast<int64_t>(t.x) * kTile;
-    if (args.dh != nullptr) store_tile<IType>(static_cast<IType*>(args.dh), ld, col0, t, dg);
+    if (args.dh != nullptr) store_tile<IType, true>(static_cast<IType*>(args.dh), ld, col0, t, dg);
     if constexpr (kFp8) {
       if (fp8_dh) fp8_block::process_tile<IType, false, 1>(args.dh_fp8, t.ti, t.j, t.x, dg, sm);
     }
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const BackwardArg
       // measured 527 -> 533 us).
       const bool second_pass = kFp8 && fp8_dh;
       if (second_pass) late();
-      if (args.dh != nullptr) store_tile<IType>(static_cast<IType*>(args.dh), ld, c.ffn + col0, t, dv);
+      if (args.dh != nullptr) store_tile<IType, true>(static_cast<IType*>(args.dh), ld, c.ffn + col0, t, dv);
       if constexpr (kFp8) {
         if (fp8_dh) {
           __syncthreads();

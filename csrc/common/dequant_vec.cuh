@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 
 #include "common/numerics.cuh"
+#include "common/vec_io.cuh"
 
 namespace lpmoe {
 
@@ -62,26 +63,6 @@ __device__ __forceinline__ uint4 dequant_chunk(typename DequantChunk<OType>::Byt
                      __float_as_uint(__fmul_rn(hi.x, scale)), __float_as_uint(__fmul_rn(hi.y, scale)));
   }
   return out;
-}
-
-// Where a dequantize writes its output vectors.
-enum class Space { kGlobal, kShared };
-
-// One 16-byte store at p (16-byte aligned).  Written as explicit vector
-// instructions because NVVM splits a plain `*(uint4*)p = v` into four 4-byte
-// stores wherever it cannot prove the alignment from the address arithmetic
-// (found in the MXFP8 and FP8 block rowwise dequantize kernels' PTX: four
-// st.global.u32 per vector; NVFP4's wrote 4-byte st.global.v2.u16;
-// tests/test_kernel_stores.py keeps them whole).
-template <Space kSpace>
-__device__ __forceinline__ void store16(void* p, uint4 v) {
-  if constexpr (kSpace == Space::kGlobal) {
-    __stwb(reinterpret_cast<uint4*>(p), v);  // st.global.wb = the default store
-  } else {
-    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-  }
 }
 
 // Eight fp32 values as OType (round to nearest even) at dst (16-byte

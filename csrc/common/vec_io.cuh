@@ -1,7 +1,7 @@
 // 8-element vectors in registers, in their own 16-bit (or 32-bit) dtype,
 // shared by the quantize kernels, the activation kernels and the tile
-// staging (tile_stage.cuh): loads, element access, packed amax.  (Dequantize
-// outputs: dequant_vec.cuh.)
+// staging (tile_stage.cuh): loads, element access, packed amax, whole
+// 16-byte stores.  (Dequantize outputs: dequant_vec.cuh.)
 #pragma once
 
 #include <cstdint>
@@ -119,6 +119,27 @@ __device__ __forceinline__ void column_amax16(const RawVec8<IType> (&raw)[8], fl
       for (int r = 0; r < 8; ++r) m = amax_step(m, elem<IType>(raw[r], e));
       a[e] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
     }
+  }
+}
+
+// Where a kernel writes its output vectors.
+enum class Space { kGlobal, kShared };
+
+// One 16-byte store at p (16-byte aligned).  Written as explicit vector
+// instructions because NVVM splits a plain `*(uint4*)p = v` into four 4-byte
+// stores wherever it cannot prove the alignment from the address arithmetic
+// (found in the MXFP8 and FP8 block rowwise dequantize kernels' PTX: four
+// st.global.u32 per vector; NVFP4's wrote 4-byte st.global.v2.u16;
+// tests/test_kernel_stores.py keeps the dequantize kernels' whole; the
+// activation backward's high-precision dh uses it too).
+template <Space kSpace>
+__device__ __forceinline__ void store16(void* p, uint4 v) {
+  if constexpr (kSpace == Space::kGlobal) {
+    __stwb(reinterpret_cast<uint4*>(p), v);  // st.global.wb = the default store
+  } else {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
   }
 }
 
