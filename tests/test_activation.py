@@ -71,6 +71,17 @@ def test_reference_exp_accuracy_and_specials():
     assert sp[4] == float("inf") and sp[5] == 0
 
 
+def test_reference_exp_pinned_bits():
+    """exp's exact bits at inputs where the degree-6 minimax exp (stop 60)
+    and the degree-7 Taylor one before it differ by an ulp: the spec is the
+    one the kernels compute, so a change of polynomial has to be deliberate."""
+    x_bits = [0xC10D3DB4, 0x416382A0, 0xC1796F3A, 0x41975228]
+    want = [0x3919C206, 0x49B6D0C6, 0x34362323, 0x4D1C5C96]
+    x = torch.tensor(x_bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    got = R.exp_lp(x).view(torch.int32).tolist()
+    assert [v & 0xFFFFFFFF for v in got] == want
+
+
 def test_reference_rcp_flushes_only_subnormal_results():
     """rcp is 1/y correctly rounded, and 0 exactly where 1/y is subnormal (the
     kernels' reciprocal approximation flushes those): 2^126 -> 2^-126, the
@@ -139,12 +150,29 @@ def test_reference_backward_matches_fp64_autograd(kind):
     assert float((a.double() - y.detach()).abs().max()) < 1e-5 * float(y.detach().abs().max())
 
 
+def _fma_f32_exact(a: float, b: float, c: float) -> torch.Tensor:
+    """fp32 fma by exact rational arithmetic: a * b + c rounded once to the
+    nearest fp32, ties to even (finite inputs)."""
+    from fractions import Fraction
+    q = Fraction(a) * Fraction(b) + Fraction(c)
+    x = torch.tensor(float(q), dtype=torch.float32)
+    cands = [x, torch.nextafter(x, torch.tensor(float("inf"))), torch.nextafter(x, torch.tensor(-float("inf")))]
+    best = min(cands, key=lambda v: (abs(Fraction(float(v)) - q), int(v.view(torch.int32)) & 1))
+    return best
+
+
 def test_reference_probs_sum_order():
     """The documented order (8 columns left to right by fused multiply-adds,
     a halving tree over 16 groups, blocks left to right), written out
-    independently with scalars."""
-    da = torch.randn(3, 300) * torch.exp(torch.randn(3, 300) * 3)
-    u = torch.randn(3, 300)
+    independently with scalars and exact rational fma.  Row 0 starts with a
+    pair where one fma and a multiply-then-add differ: -(1 + 2^-11) * 1, then
+    (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24, whose product alone rounds to 1 + 2^-11."""
+    g = torch.Generator().manual_seed(7)
+    da = torch.randn(3, 300, generator=g) * torch.exp(torch.randn(3, 300, generator=g) * 3)
+    u = torch.randn(3, 300, generator=g)
+    da[0, :2] = torch.tensor([-(1 + 2.0 ** -11), 1 + 2.0 ** -12])
+    u[0, :2] = torch.tensor([1.0, 1 + 2.0 ** -12])
+    da[0, 2:8] = 0.0
     got = R.probs_grad_order_sum(da, u)
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     for r in range(3):
@@ -155,9 +183,11 @@ def test_reference_probs_sum_order():
                 s = f32(0.0)
                 for e in range(8):
                     j = b * 128 + c * 8 + e
-                    if j < 300:  # fma in fp64: the product is exact, the sum rounds once (ties aside)
-                        s = (da[r, j].double() * u[r, j].double() + s.double()).float()
+                    if j < 300:
+                        s = _fma_f32_exact(float(da[r, j]), float(u[r, j]), float(s))
                 groups.append(s)
+                if r == 0 and b == 0 and c == 0:
+                    assert float(s) == 2.0 ** -24  # the fma's exact remainder (multiply-then-add: 0)
             while len(groups) > 1:
                 half = len(groups) // 2
                 groups = [groups[i] + groups[i + half] for i in range(half)]

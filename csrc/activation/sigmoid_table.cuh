@@ -63,7 +63,7 @@ __device__ __forceinline__ void fill(float* table) {
 // half: the element in the low 16 bits), two per 32-bit word: each half's
 // magnitude clamped to [kLo, kHi] (16-bit SIMD min/max), minus kLo, times 4,
 // plus 0x4000 for a negative gate; the halves never carry into each other
-// (at most 0x7BB8).
+// (at most 0x7BBC).
 __device__ __forceinline__ uint32_t pair_offsets(uint32_t w) {
   uint32_t m = w & 0x7fff7fffu;
   asm("max.u16x2 %0, %1, %2;" : "=r"(m) : "r"(m), "r"(kLo * 0x10001u));
