@@ -10,8 +10,8 @@ test still passed (docs/perf-notes.md, issue 13 stop 58).  They now write
 through `store16` (common/vec_io.cuh); this test keeps it that way, and
 keeps ptxas from spilling in them (the MXFP8 kernels spilled while a 64-bit
 division subroutine was called in their tile lookup).  The activation
-backward's high-precision dh goes through `store16` too (stop 60: 4 % off
-that kernel), and is checked the same way.
+backward's high-precision dh goes through `store16` too (stop 60: 534 -> 501
+us at 8 x 64k tokens on the H100), and is checked the same way.
 """
 from __future__ import annotations
 

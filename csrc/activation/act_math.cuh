@@ -69,10 +69,11 @@ __device__ __forceinline__ float exp_for_sigmoid(float x) {
 }
 
 // 1 / y for finite y >= 1 (the sigmoid's y is at most 1 + e^87.5), correctly
-// rounded, flushed to 0 where it is subnormal (y > 2^126), branch- and select-free: the reciprocal approximation (which
-// flushes such results to 0) refined by one FMA Newton step, the sequence
-// CUDA's own IEEE reciprocal uses for operands below 2^127 whose result is
-// normal.  (Before stop 60 a compare and select gave 0 from 2^125 on.)
+// rounded, and 0 where that is subnormal (y > 2^126); branch- and
+// select-free: the reciprocal approximation (which flushes such results to
+// 0) refined by one FMA Newton step, the sequence CUDA's own IEEE reciprocal
+// uses for operands whose result is normal.  (Before stop 60 a compare and
+// select gave 0 from 2^125 on.)
 __device__ __forceinline__ float rcp_lp(float y) {
   float r0;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(y));

@@ -129,7 +129,7 @@ __device__ __forceinline__ void set_elem(RawVec8<IType>& v, int e, float x) {
 // high-precision matrix (valid rows and columns only).  kWhole16: each
 // 16-byte vector as one explicit 16-byte store; otherwise NVVM splits it
 // into four 4-byte stores (it cannot prove the alignment).  The backward
-// takes kWhole16 (8 x 64k tokens, F 2048, H100: 529 -> 507 us), the forward
+// takes kWhole16 (8 x 64k tokens, F 2048, H100: 534 -> 501 us), the forward
 // does not: there the whole stores cost registers (ReLU drops to 2 CTAs per
 // SM) and time (292 -> 304 us); docs/activation-notes.md, stops 58 and 60.
 template <typename IType, bool kWhole16 = false>
