@@ -98,13 +98,7 @@ def _kernel_exp_for_sigmoid(x):
     """The kernels' exp (csrc/activation/act_math.cuh, exp_for_sigmoid) in
     torch: the spec's exp with x clamped to [-86, 87.5] and 2^n applied as one
     multiply."""
-    xc = x.float().clamp(-86.0, 87.5)
-    j = R.fma32(xc, R.LOG2E, R.MAGIC)
-    n = j - R.MAGIC
-    r = R.fma32(-n, R.LN2_LO, R.fma32(-n, R.LN2_HI, xc))
-    p = R.EXP_POLY[0]
-    for c in R.EXP_POLY[1:] + [R.ONE, R.ONE]:
-        p = R.fma32(p, r, c)
+    j, p = R.exp_reduced(x.float().clamp(-86.0, 87.5))
     pow2n = ((j.view(torch.int32).long() << 23) + 0x3F800000) & 0xFFFFFFFF  # 32-bit wrap-around
     pow2n = torch.where(pow2n >= 1 << 31, pow2n - (1 << 32), pow2n).to(torch.int32)
     return p * pow2n.view(torch.float32)

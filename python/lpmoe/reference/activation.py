@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["fma32", "exp_lp", "rcp_lp", "sigmoid_lp", "activation_forward", "activation_backward", "probs_grad_order_sum",
+__all__ = ["fma32", "exp_reduced", "exp_lp", "rcp_lp", "sigmoid_lp", "activation_forward", "activation_backward", "probs_grad_order_sum",
            "KINDS", "GLU_KINDS"]
 
 KINDS = ("swiglu", "geglu", "gelu", "relu", "clamped_swiglu")
@@ -68,6 +68,20 @@ def fma32(a, b, c) -> torch.Tensor:
     return torch.where(tie & beyond, toward, r)
 
 
+def exp_reduced(xc: torch.Tensor):
+    """(j, p) of exp for an already clamped fp32 xc: j = fma(xc, LOG2E,
+    1.5 * 2^23), whose low mantissa bits hold n = rint(xc / ln 2), and p(r),
+    r = fma(-n, LN2_LO, fma(-n, LN2_HI, xc)), so that e^xc = p * 2^n.  The
+    spec's exp and the kernels' clamped shortcut differ only around it."""
+    j = fma32(xc, LOG2E, MAGIC)                      # rint (half to even) in the low mantissa bits
+    n = j - MAGIC
+    r = fma32(-n, LN2_LO, fma32(-n, LN2_HI, xc))
+    p = EXP_POLY[0]
+    for c in EXP_POLY[1:] + [ONE, ONE]:
+        p = fma32(p, r, c)
+    return j, p
+
+
 def exp_lp(x: torch.Tensor) -> torch.Tensor:
     """lpmoe's fp32 exp: x clamped to [-104, 88.75] (NaN kept); e^x =
     2^n * p(r) with n = rint(x / ln 2) (x * LOG2E + 1.5 * 2^23 as one fused
@@ -77,14 +91,8 @@ def exp_lp(x: torch.Tensor) -> torch.Tensor:
     floor(n/2)) so that only the last multiply rounds.  Within 0.9 ulp of
     e^x; overflows to +inf above 88.72 and rounds to 0 below -103.97
     through the clamp bounds alone."""
-    xc = x.float().clamp(-104.0, 88.75)
-    j = fma32(xc, LOG2E, MAGIC)                      # rint (half to even) in the low mantissa bits
+    j, p = exp_reduced(x.float().clamp(-104.0, 88.75))
     ni = j.view(torch.int32) - 0x4B400000
-    n = j - MAGIC
-    r = fma32(-n, LN2_LO, fma32(-n, LN2_HI, xc))
-    p = EXP_POLY[0]
-    for c in EXP_POLY[1:] + [ONE, ONE]:
-        p = fma32(p, r, c)
     n1 = torch.div(ni, 2, rounding_mode="floor")
     return (p * ((n1 + 127) << 23).view(torch.float32)) * ((ni - n1 + 127) << 23).view(torch.float32)
 
